@@ -1,0 +1,107 @@
+"""What a request returns: `RequestOutput` with one `CompletionOutput` per sample, and metrics.
+
+Prefill and decode are kept apart in every figure: time to first token, prefill seconds, decode
+seconds, time per output token and inter-token latencies. Compile time is never inside them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+@dataclasses.dataclass
+class RequestMetrics:
+  """Times are `time.perf_counter()` seconds; derived figures are properties."""
+
+  arrival_time: float
+  prompt_tokens: int = 0
+  generated_tokens: int = 0
+  scheduled_time: float | None = None  # left the queue (prefill dispatched)
+  first_token_time: float | None = None
+  last_token_time: float | None = None
+  finished_time: float | None = None
+  prefill_s: float = 0.0  # prefill device time attributed to this request (excl. compile)
+  compile_s: float = 0.0  # compilation that happened while this request was prefilling
+  token_times: list[float] = dataclasses.field(default_factory=list)
+
+  @property
+  def queue_s(self) -> float | None:
+    return None if self.scheduled_time is None else self.scheduled_time - self.arrival_time
+
+  @property
+  def ttft_s(self) -> float | None:
+    """Time to first token, from arrival, compile time excluded."""
+    if self.first_token_time is None:
+      return None
+    return self.first_token_time - self.arrival_time - self.compile_s
+
+  @property
+  def decode_s(self) -> float:
+    if self.first_token_time is None or self.last_token_time is None:
+      return 0.0
+    return self.last_token_time - self.first_token_time
+
+  @property
+  def tpot_s(self) -> float | None:
+    """Time per output token after the first (the decode phase's pace)."""
+    if self.generated_tokens < 2:
+      return None
+    return self.decode_s / (self.generated_tokens - 1)
+
+  @property
+  def inter_token_latencies(self) -> list[float]:
+    t = self.token_times
+    return [b - a for a, b in zip(t, t[1:])]
+
+  def as_dict(self) -> dict[str, Any]:
+    return dict(prompt_tokens=self.prompt_tokens, generated_tokens=self.generated_tokens,
+                queue_s=self.queue_s, ttft_s=self.ttft_s, prefill_s=self.prefill_s,
+                decode_s=self.decode_s, tpot_s=self.tpot_s, compile_s=self.compile_s,
+                inter_token_latencies=self.inter_token_latencies)
+
+
+@dataclasses.dataclass
+class Logprob:
+  token_id: int
+  logprob: float
+  rank: int | None = None
+  decoded_token: str | None = None
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+  index: int
+  text: str = ""
+  token_ids: list[int] = dataclasses.field(default_factory=list)
+  cumulative_logprob: float | None = None
+  logprobs: list[dict[int, Logprob]] | None = None  # per token: {id: Logprob} (top-N + chosen)
+  finish_reason: str | None = None  # "stop", "length" or "abort"
+  stop_reason: int | str | None = None  # the stop string or token id that ended it
+
+  @property
+  def finished(self) -> bool:
+    return self.finish_reason is not None
+
+
+@dataclasses.dataclass
+class RequestOutput:
+  request_id: str
+  prompt: str | None
+  prompt_token_ids: list[int]
+  outputs: list[CompletionOutput]
+  metrics: RequestMetrics
+  finished: bool = False
+
+  # Shortcuts to the first sample, for the common n=1 case.
+  @property
+  def text(self) -> str:
+    return self.outputs[0].text
+
+  @property
+  def token_ids(self) -> list[int]:
+    return self.outputs[0].token_ids
+
+  @property
+  def finish_reason(self) -> str | None:
+    return self.outputs[0].finish_reason

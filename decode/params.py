@@ -1,0 +1,98 @@
+"""`SamplingParams` (vLLM's names and meanings) and its validation.
+
+Every check names the field, the value given and the limit, so one bad request is rejected with
+a message a person can act on and nothing else is disturbed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+from jaxgen.decode.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_IDS
+
+
+@dataclasses.dataclass
+class SamplingParams:
+  """How to sample one request. Defaults follow vLLM.
+
+  n: samples of the prompt (they share its prefill). temperature 0 is greedy. top_k -1 (or 0 is
+  rejected) disables; top_p 1 disables; min_p 0 disables. repetition_penalty (> 1 discourages)
+  applies to tokens of the prompt and the output; presence/frequency penalties to the output.
+  logit_bias maps token id -> added logit. seed fixes the randomness of this request alone: the
+  draw for a token depends only on (seed, token position), never on the batch.
+  stop: strings that end generation (not included in the text unless
+  include_stop_str_in_output); stop_token_ids: ids that end it (EOS too unless ignore_eos).
+  min_tokens: stop ids and EOS are banned until this many tokens were generated.
+  logprobs: top-N log-probabilities to return per generated token (plus the chosen one's).
+  """
+
+  n: int = 1
+  max_tokens: int | None = 16
+  min_tokens: int = 0
+  temperature: float = 1.0
+  top_k: int = -1
+  top_p: float = 1.0
+  min_p: float = 0.0
+  repetition_penalty: float = 1.0
+  presence_penalty: float = 0.0
+  frequency_penalty: float = 0.0
+  logit_bias: dict[int, float] | None = None
+  seed: int | None = None
+  stop: str | Sequence[str] | None = None
+  stop_token_ids: Sequence[int] | None = None
+  ignore_eos: bool = False
+  include_stop_str_in_output: bool = False
+  skip_special_tokens: bool = True
+  logprobs: int | None = None
+
+  def __post_init__(self):
+    if isinstance(self.stop, str):
+      self.stop = [self.stop]
+    self.stop = list(self.stop or [])
+    self.stop_token_ids = [int(i) for i in (self.stop_token_ids or [])]
+    self.logit_bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
+    self.validate()
+
+  def validate(self, vocab_size: int | None = None) -> None:
+    def bad(field, value, limit):
+      raise ValueError(f"SamplingParams.{field}={value!r} is invalid: {limit}")
+
+    if not isinstance(self.n, int) or self.n < 1:
+      bad("n", self.n, "must be an integer >= 1")
+    if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+      bad("max_tokens", self.max_tokens, "must be an integer >= 1 (or None for the context limit)")
+    if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
+      bad("min_tokens", self.min_tokens, f"must be in [0, max_tokens={self.max_tokens}]")
+    if not self.temperature >= 0:
+      bad("temperature", self.temperature, "must be >= 0 (0 means greedy)")
+    if not isinstance(self.top_k, int) or self.top_k == 0 or self.top_k < -1:
+      bad("top_k", self.top_k, "must be -1 (disabled) or an integer >= 1")
+    if not 0 < self.top_p <= 1:
+      bad("top_p", self.top_p, "must be in (0, 1]")
+    if not 0 <= self.min_p <= 1:
+      bad("min_p", self.min_p, "must be in [0, 1]")
+    if not self.repetition_penalty > 0:
+      bad("repetition_penalty", self.repetition_penalty, "must be > 0 (1 disables)")
+    for f in ("presence_penalty", "frequency_penalty"):
+      if not -2 <= getattr(self, f) <= 2:
+        bad(f, getattr(self, f), "must be in [-2, 2]")
+    if len(self.logit_bias) > MAX_LOGIT_BIAS:
+      bad("logit_bias", f"<{len(self.logit_bias)} entries>", f"at most {MAX_LOGIT_BIAS} entries")
+    if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+      bad("logprobs", self.logprobs, f"must be in [0, {MAX_LOGPROBS}]")
+    if len(self.stop_token_ids) > MAX_STOP_IDS - 2:
+      bad("stop_token_ids", self.stop_token_ids, f"at most {MAX_STOP_IDS - 2} ids")
+    if any(not s for s in self.stop):
+      bad("stop", self.stop, "stop strings must be non-empty")
+    if self.seed is not None and not 0 <= self.seed < 2**64:
+      bad("seed", self.seed, "must be in [0, 2**64)")
+    if vocab_size is not None:
+      for f, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", list(self.logit_bias))):
+        for i in ids:
+          if not 0 <= i < vocab_size:
+            bad(f, i, f"token ids must be in [0, {vocab_size})")
+
+  @property
+  def greedy(self) -> bool:
+    return self.temperature == 0 or self.top_k == 1

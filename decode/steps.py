@@ -1,0 +1,169 @@
+"""The compiled programs: `prefill` and `decode_step`, the only jitted functions, state donated.
+
+State = KV cache + sampler state (per-row parameters, next tokens, penalty counts). Both live on
+device for the whole run; the host passes only small arrays (prompt chunk, slot ids, active mask)
+and reads back only the sampled ids (and logprobs when asked).
+
+- `prefill(params, state, tokens [P, T], counts [P], slots [P], row_params, want_logprobs)`:
+  writes P prompt chunks (padded to the bucket T) into their slots, sets the slots' sampling
+  parameters and samples each row's next token. `fresh=True` (static) starts the slots empty and
+  attends only within the chunk; `fresh=False` continues a slot (chunked prefill) and attends to
+  what it already holds.
+- `decode_step(params, state, active [B], want_logprobs)`: one token for every active row.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxgen.decode import cache as kvc
+from jaxgen.decode.sampling import MAX_LOGIT_BIAS, MAX_STOP_IDS, RowParams, SamplerState, sample
+from jaxgen.model.config import LOCAL, ModelConfig
+
+
+@flax.struct.dataclass
+class DecodeState:
+  cache: kvc.KVCache
+  sampler: SamplerState
+
+
+def init_state(cfg: ModelConfig, spec: kvc.CacheSpec, shardings: DecodeState | None = None) -> DecodeState:
+  """Allocates the cache and an idle sampler state for `spec.slots` rows."""
+  b, v = spec.slots, cfg.vocab_size
+  zeros_i = lambda *s: jnp.zeros(s, jnp.int32)  # noqa: E731
+  zeros_f = lambda *s: jnp.zeros(s, jnp.float32)  # noqa: E731
+  params = RowParams(
+      temperature=zeros_f(b), top_k=zeros_i(b), top_p=jnp.ones((b,), jnp.float32), min_p=zeros_f(b),
+      repetition_penalty=jnp.ones((b,), jnp.float32), presence_penalty=zeros_f(b),
+      frequency_penalty=zeros_f(b), bias_ids=-jnp.ones((b, MAX_LOGIT_BIAS), jnp.int32),
+      bias_values=zeros_f(b, MAX_LOGIT_BIAS), ban_ids=-jnp.ones((b, MAX_STOP_IDS), jnp.int32), min_tokens=zeros_i(b),
+      prompt_len=zeros_i(b), key=jnp.zeros((b, 2), jnp.uint32))
+  sampler = SamplerState(params, zeros_i(b), jnp.zeros((b, v), jnp.bool_), zeros_i(b, v))
+  state = DecodeState(kvc.allocate(cfg, spec), sampler)
+  if shardings is not None:
+    state = jax.device_put(state, shardings)
+  return state
+
+
+class _CacheHook:
+  """The kv_hook that stores each layer's new keys/values in the cache rows and says what to attend.
+
+  mode "fresh": rows start empty; attend only within the chunk (causal).
+  mode "chunk": attend to what the rows held before (all T new tokens come after it), then write.
+  mode "decode" (T = 1): write first, then attend over the cache alone: the ring entry a write
+  replaces is exactly W positions back, outside the query's window, so nothing needed is lost.
+  """
+
+  def __init__(self, cfg: ModelConfig, rows: kvc.KVCache, start, counts, positions, mode: str):
+    self.cfg, self.rows, self.start, self.counts, self.positions, self.mode = cfg, rows, start, counts, positions, mode
+    self.layers: list[kvc.LayerCache] = []
+
+  def __call__(self, i, k, v):
+    layer = self.rows.layers[i]
+    ring = self.cfg.layer_kinds[i] == LOCAL
+    size = layer.k.shape[1]
+    new = kvc.write(layer, k, v, self.start, self.counts)
+    self.layers.append(new)
+    if self.mode == "fresh":
+      return k, v, self.positions
+    if self.mode == "decode":
+      pos = kvc.entry_positions(self.start + self.counts, size, ring)
+      return new.k.astype(k.dtype), new.v.astype(v.dtype), pos
+    pos = kvc.entry_positions(self.start, size, ring)
+    keys = jnp.concatenate([layer.k.astype(k.dtype), k], axis=1)
+    values = jnp.concatenate([layer.v.astype(v.dtype), v], axis=1)
+    return keys, values, jnp.concatenate([pos, self.positions], axis=1)
+
+
+def _take_rows(tree, idx):
+  return jax.tree.map(lambda a: a[idx], tree)
+
+
+def _put_rows(tree, idx, rows):
+  return jax.tree.map(lambda a, r: a.at[idx].set(r), tree, rows)
+
+
+def prefill(graphdef, params, state: DecodeState, tokens, counts, slots, row_params: RowParams,
+            want_logprobs, *, fresh: bool, compute_dtype=jnp.float32):
+  model = nnx.merge(graphdef, params)
+  cfg = model.cfg
+  p, t = tokens.shape
+  cache = state.cache
+  rows = kvc.KVCache(_take_rows(cache.layers, slots), cache.lengths[slots])
+  start = jnp.zeros((p,), jnp.int32) if fresh else rows.lengths
+  positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+  hook = _CacheHook(cfg, rows, start, counts, positions, "fresh" if fresh else "chunk")
+  hidden = model(tokens, positions, hook, compute_dtype=compute_dtype)
+  lengths = start + counts
+  cache = kvc.KVCache(_put_rows(cache.layers, slots, tuple(hook.layers)), cache.lengths.at[slots].set(lengths))
+
+  last = jnp.take_along_axis(hidden, (counts - 1)[:, None, None], axis=1)[:, 0]  # [P, D]
+  logits = model.logits(last)  # [P, V]
+
+  s = state.sampler
+  valid = jnp.arange(t)[None, :] < counts[:, None]
+  seen = jnp.zeros((p, cfg.vocab_size), jnp.bool_) if fresh else s.seen_prompt[slots]
+  seen = seen.at[jnp.arange(p)[:, None], jnp.where(valid, tokens, cfg.vocab_size)].set(True, mode="drop")
+  out_counts = jnp.zeros((p, cfg.vocab_size), jnp.int32)
+  rows_state = SamplerState(row_params, s.tokens[slots], seen, out_counts)
+  out = sample(logits, rows_state, lengths, want_logprobs)
+  sampler = SamplerState(
+      params=_put_rows(s.params, slots, row_params),
+      tokens=s.tokens.at[slots].set(out.tokens),
+      seen_prompt=s.seen_prompt.at[slots].set(seen),
+      out_counts=s.out_counts.at[slots].set(out_counts))
+  return DecodeState(cache, sampler), out
+
+
+def decode_step(graphdef, params, state: DecodeState, active, want_logprobs, *, compute_dtype=jnp.float32):
+  model = nnx.merge(graphdef, params)
+  cfg = model.cfg
+  cache, s = state.cache, state.sampler
+  b = cache.batch
+  max_len = max(layer.k.shape[1] for layer in cache.layers)
+  lengths = cache.lengths
+  count = (active & (lengths < max_len)).astype(jnp.int32)
+  tokens = s.tokens
+  out_counts = s.out_counts.at[jnp.arange(b), tokens].add(count)
+  hook = _CacheHook(cfg, cache, lengths, count, lengths[:, None], "decode")
+  hidden = model(tokens[:, None], lengths[:, None], hook, compute_dtype=compute_dtype)
+  logits = model.logits(hidden[:, 0])
+  new_state = SamplerState(s.params, tokens, s.seen_prompt, out_counts)
+  out = sample(logits, new_state, lengths + 1, want_logprobs)
+  next_tokens = jnp.where(count > 0, out.tokens, tokens)
+  new_cache = kvc.KVCache(tuple(hook.layers), lengths + count)
+  return DecodeState(new_cache, SamplerState(s.params, next_tokens, s.seen_prompt, out_counts)), out
+
+
+class Programs:
+  """The jitted prefill/decode for one model graph, with the state argument donated.
+
+  `shardings` (optional): dict with 'params' and 'state' sharding trees; when given, every program
+  declares them as in/out shardings so the compiled code keeps weights and cache where they are.
+  """
+
+  def __init__(self, graphdef, compute_dtype=jnp.float32, shardings: dict[str, Any] | None = None):
+    self.graphdef = graphdef
+    kw = {}
+    if shardings is not None:
+      ps, ss = shardings["params"], shardings["state"]
+      kw_prefill = dict(in_shardings=(ps, ss, None, None, None, None, None), out_shardings=(ss, None))
+      kw_decode = dict(in_shardings=(ps, ss, None, None), out_shardings=(ss, None))
+    else:
+      kw_prefill = kw_decode = kw
+    self._prefill = {
+        fresh: jax.jit(functools.partial(prefill, graphdef, fresh=fresh, compute_dtype=compute_dtype),
+                       donate_argnums=(1,), **kw_prefill)
+        for fresh in (True, False)
+    }
+    self.decode = jax.jit(functools.partial(decode_step, graphdef, compute_dtype=compute_dtype),
+                          donate_argnums=(1,), **kw_decode)
+
+  def prefill(self, params, state, tokens, counts, slots, row_params, want_logprobs, *, fresh: bool):
+    return self._prefill[fresh](params, state, tokens, counts, slots, row_params, want_logprobs)

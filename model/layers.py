@@ -1,0 +1,81 @@
+"""Pure building blocks of the decoder: norms, RoPE, activations, masks and attention.
+
+Everything here is a plain function of arrays; the modules in `transformer.py` hold the weights.
+Statistics (norms, softmax) are computed in float32 whatever the parameter dtype.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+# A mask value that survives bf16 and soft-capping, and exp() of which is exactly 0 in float32.
+NEG_INF = -2.3819763e38
+
+
+def rms_norm(x: jax.Array, w: jax.Array, eps: float, offset: float) -> jax.Array:
+  """x * rsqrt(mean(x^2) + eps) * (offset + w) over the last axis, in float32."""
+  x32 = x.astype(jnp.float32)
+  y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  return (y * (offset + w.astype(jnp.float32))).astype(x.dtype)
+
+
+def gelu_tanh(x: jax.Array) -> jax.Array:
+  """GELU with the tanh approximation (Gemma's `gelu_pytorch_tanh`)."""
+  return jax.nn.gelu(x, approximate=True)
+
+
+ACTIVATIONS = {"gelu_tanh": gelu_tanh, "silu": jax.nn.silu}
+
+
+def rope(x: jax.Array, positions: jax.Array, base: float, scale: float = 1.0) -> jax.Array:
+  """Rotary embedding in the rotate-half layout (first and second halves of H are the pairs).
+
+  x: [B, T, N, H]; positions: [B, T] (int). `scale` divides positions (linear scaling).
+  """
+  h = x.shape[-1]
+  inv_freq = 1.0 / (base ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))  # [H/2]
+  angles = positions.astype(jnp.float32)[..., None] / scale * inv_freq  # [B, T, H/2]
+  sin, cos = jnp.sin(angles)[:, :, None, :], jnp.cos(angles)[:, :, None, :]  # [B, T, 1, H/2]
+  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x.dtype)
+
+
+def attention_mask(q_pos: jax.Array, k_pos: jax.Array, window: int | None) -> jax.Array:
+  """Which keys each query may see. q_pos: [B, T], k_pos: [B, S] (-1 marks an empty slot).
+
+  Causal: k <= q. Sliding window of W: additionally q - k < W (the query plus W-1 keys before it).
+  Returns bool [B, T, S].
+  """
+  q, k = q_pos[:, :, None], k_pos[:, None, :]
+  mask = (k >= 0) & (k <= q)
+  if window is not None:
+    mask &= q - k < window
+  return mask
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, softcap: float | None) -> jax.Array:
+  """Grouped-query attention. q: [B, T, N, H] (already scaled); k, v: [B, S, K, H]; mask: [B, T, S].
+
+  Returns [B, T, N, H]. Query heads are grouped over kv heads: head n uses kv head n // (N/K).
+  """
+  b, t, n, h = q.shape
+  kh = k.shape[2]
+  qg = q.reshape(b, t, kh, n // kh, h)  # [B, T, K, G, H]
+  scores = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32)
+  if softcap is not None:
+    scores = jnp.tanh(scores / softcap) * softcap
+  scores = jnp.where(mask[:, None, None, :, :], scores, NEG_INF)
+  probs = jax.nn.softmax(scores, axis=-1)
+  out = jnp.einsum("bkgts,bskh->btkgh", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+  return out.reshape(b, t, n, h).astype(q.dtype)
+
+
+def linear(x: jax.Array, w: jax.Array) -> jax.Array:
+  """x @ w.T with the weight stored [out, in], computed in x's dtype.
+
+  The [out, in] layout with an explicit upcast is the formulation that stays on XLA:CPU's fast
+  path for 16-bit weights (see benchmarks); on TPU/GPU x is already the weights' dtype.
+  """
+  return x @ w.astype(x.dtype).T
