@@ -123,7 +123,7 @@ class Engine:
     self._host_rng = random.Random()
     self._last_ready = time.perf_counter()
     self.stats = collections.Counter()  # prefill_tokens, decode_tokens, *_s, compile_s, steps
-    self._fork = jax.jit(_fork, donate_argnums=(0,))
+    self._fork = self.programs.state_update(_fork, 4)
     self._aborted: list[_Request] = []  # aborted since the last step, reported by the next
 
   # ----------------------------------------------------------------------------------- requests

@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
+import warnings
 from typing import Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxgen.decode.cache import CacheSpec
 from jaxgen.decode.engine import Engine, buckets
 from jaxgen.decode.outputs import RequestOutput
 from jaxgen.decode.params import SamplingParams
+from jaxgen.sharding import distributed, planner, rules
+from jaxgen.sharding.mesh import MeshConfig, as_mesh
 
 Prompt = str | Sequence[int]
 
@@ -22,11 +27,16 @@ class LLM:
 
   LLM() loads the embedded Gemma 3 270M; LLM("model.gguf", dtype="bfloat16") a given file.
   max_len: tokens per cache slot (prompt + output); max_batch: slots decoded together.
+  mesh: a `jaxgen.sharding.MeshConfig` (or a jax Mesh) to split the model over many devices: the
+  memory plan (`self.plan`) is checked before any weight is placed or program compiled, each device
+  receives only its shards, and max_batch must be a multiple of the data axis. Across several
+  processes (`jaxgen.sharding.distributed.initialize`) every process makes the same calls; only
+  process 0 gets outputs back (the others get empty lists and streams).
   """
 
   def __init__(self, model: str | None = None, *, dtype: str = "float32", max_len: int = 2048,
                max_batch: int = 8, prefill_chunk: int = 512, cache_dtype: str | None = None,
-               compilation_cache_dir: str | None = None):
+               compilation_cache_dir: str | None = None, mesh: MeshConfig | jax.sharding.Mesh | None = None):
     if compilation_cache_dir:
       jax.config.update("jax_compilation_cache_dir", compilation_cache_dir)
       jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
@@ -36,13 +46,33 @@ class LLM:
     if dtype not in ("float32", "bfloat16", "float16"):
       raise ValueError(f"dtype={dtype!r} is not supported; use 'float32', 'bfloat16' or 'float16'")
     self.dtype = dtype
-    self.cfg, self.model, self.tokenizer = load(model, dtype)
-    self.load_s = time.perf_counter() - t0
+    # With a mesh, weights stay on the host until the plan has been checked, then go out in shards.
+    place = None if mesh is None else rules.keep_on_host
+    self.cfg, self.model, self.tokenizer = load(model, dtype, place=place)
     self.max_len = min(max_len, self.cfg.max_context)
     cache_dtype = cache_dtype or ("float32" if jax.default_backend() == "cpu" else dtype)
+    self.mesh, self.plan, shardings = None, None, None
+    if mesh is not None:
+      shardings = self._shard(mesh, CacheSpec(slots=max_batch, max_len=self.max_len, dtype=cache_dtype))
+    self.load_s = time.perf_counter() - t0
     self.engine = Engine(self.model, self.tokenizer, max_batch=max_batch, max_len=self.max_len,
-                         prefill_chunk=prefill_chunk, cache_dtype=cache_dtype)
-    self._logits_fn = jax.jit(functools.partial(_uncached_logits, self.engine.graphdef))
+                         prefill_chunk=prefill_chunk, cache_dtype=cache_dtype, shardings=shardings)
+    logits_kw = {}
+    if shardings is not None:
+      everywhere = rules.replicated(self.mesh)
+      logits_kw = dict(in_shardings=(shardings["params"], everywhere), out_shardings=everywhere)
+      # Requests without a seed draw one on the host: every process must draw the same.
+      self.engine._host_rng.seed(distributed.same_seed(self.engine._host_rng.getrandbits(64)))
+    self._logits_fn = jax.jit(functools.partial(_uncached_logits, self.engine.graphdef), **logits_kw)
+
+  def _shard(self, mesh, spec: CacheSpec) -> dict:
+    """Plans (refusing what cannot divide or fit), places the weights in shards; returns the shardings."""
+    from flax import nnx
+
+    self.mesh = as_mesh(mesh)
+    self.plan = planner.plan(self.cfg, self.dtype, spec, self.mesh).check()
+    self.model = rules.place_model(self.model, rules.param_shardings(self.cfg, self.dtype, self.mesh))
+    return rules.engine_shardings(self.cfg, self.dtype, spec, self.mesh, nnx.state(self.model))
 
   # ------------------------------------------------------------------------------------- scoring
   def logits(self, token_ids: Sequence[int]) -> np.ndarray:
@@ -98,7 +128,7 @@ class LLM:
             bar.update(1)
     if bar is not None:
       bar.close()
-    return [results[r] for r in ids]
+    return [results[r] for r in ids] if jax.process_index() == 0 else []
 
   def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
     """Yields text deltas of one request as they are produced (n=1)."""
@@ -116,12 +146,30 @@ class LLM:
             continue
           self.last_output = out
           text = out.text
-          if len(text) > sent:
+          if len(text) > sent and jax.process_index() == 0:
             yield text[sent:]
             sent = len(text)
     finally:
       if self.last_output is None or not self.last_output.finished:
         eng.abort(rid)
+
+  def chat(self, messages, params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+           chat_template: str | None = None, add_generation_prompt: bool = True,
+           use_tqdm: bool = True) -> list[RequestOutput]:
+    """Replies to a conversation ([{"role": ..., "content": ...}, ...]) or a list of them (vLLM's chat).
+
+    The prompt is rendered with the model's own chat template (or `chat_template`), see
+    `jaxgen.checkpoints.chat`; generation also stops on the template's end-of-turn token.
+    """
+    from jaxgen.checkpoints.chat import chat_format, conversations
+
+    fmt = chat_format(self.tokenizer, chat_template)
+    if fmt.note:
+      warnings.warn(fmt.note, stacklevel=2)
+    prompts = [fmt.encode(self.tokenizer, c, add_generation_prompt) for c in conversations(messages)]
+    many = params if isinstance(params, (list, tuple)) else [params or SamplingParams()]
+    many = [dataclasses.replace(p, stop_token_ids=sorted(set(p.stop_token_ids) | fmt.stop_ids)) for p in many]
+    return self.generate(prompts, many if isinstance(params, (list, tuple)) else many[0], use_tqdm=use_tqdm)
 
   def warmup(self) -> float:
     """Compiles every program serving can need; returns seconds."""
@@ -135,7 +183,7 @@ def _uncached_logits(graphdef, params, tokens):
 
   model = nnx.merge(graphdef, params)
   positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-  hidden, _ = model(tokens, positions)
+  hidden = model(tokens, positions)
   return model.logits(hidden)
 
 

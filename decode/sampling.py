@@ -174,13 +174,18 @@ def _draw(scaled: jax.Array, p: RowParams, u: jax.Array) -> jax.Array:
   before = jnp.cumsum(kept, axis=-1) - kept
   keep &= before < (p.top_p * total)[:, None]
   kept = jnp.where(keep, kept, 0.0)
-  covered = small_k | (cp[:, -1] < floor) | ((p.top_p < 1.0) & (jnp.sum(kept, axis=-1) >= p.top_p * total))
+  # The kept set lies inside the candidates when top_k is small, when min_p already excludes every
+  # non-candidate, or when the top_p mass is reached among them (top_k above the candidates
+  # would change that mass, so those rows take the full path).
+  big_k = p.top_k > kc
+  covered = small_k | (cp[:, -1] < floor) | (
+      ~big_k & (p.top_p < 1.0) & (jnp.sum(kept, axis=-1) >= p.top_p * total))
   from_cand = jnp.take_along_axis(cand_ids, inverse_cdf(kept, u)[:, None], axis=1)[:, 0]
 
   def full(_):
     probs = jnp.where(probs_full >= floor[:, None], probs_full, 0.0)
-    big_k = jnp.where(p.top_k > kc, p.top_k, v)
-    tau_k = jax.lax.cond(jnp.any(p.top_k > kc), lambda: _threshold(probs, lambda m: jnp.sum(m, axis=-1) >= big_k),
+    k_limit = jnp.where(big_k, p.top_k, v)
+    tau_k = jax.lax.cond(jnp.any(big_k), lambda: _threshold(probs, lambda m: jnp.sum(m, axis=-1) >= k_limit),
                          lambda: jnp.zeros((b,), jnp.float32))
     probs = jnp.where(probs >= tau_k[:, None], probs, 0.0)
     target = p.top_p * jnp.sum(probs, axis=-1)

@@ -34,7 +34,13 @@ class DecodeState:
 
 
 def init_state(cfg: ModelConfig, spec: kvc.CacheSpec, shardings: DecodeState | None = None) -> DecodeState:
-  """Allocates the cache and an idle sampler state for `spec.slots` rows."""
+  """Allocates the cache and an idle sampler state for `spec.slots` rows.
+
+  With `shardings` (a DecodeState of NamedShardings) the zeros are created by a program whose
+  outputs carry those shardings: each device allocates only its own shard (also across hosts).
+  """
+  if shardings is not None:
+    return jax.jit(functools.partial(init_state, cfg, spec), out_shardings=shardings)()
   b, v = spec.slots, cfg.vocab_size
   zeros_i = lambda *s: jnp.zeros(s, jnp.int32)  # noqa: E731
   zeros_f = lambda *s: jnp.zeros(s, jnp.float32)  # noqa: E731
@@ -45,10 +51,7 @@ def init_state(cfg: ModelConfig, spec: kvc.CacheSpec, shardings: DecodeState | N
       bias_values=zeros_f(b, MAX_LOGIT_BIAS), ban_ids=-jnp.ones((b, MAX_STOP_IDS), jnp.int32), min_tokens=zeros_i(b),
       prompt_len=zeros_i(b), key=jnp.zeros((b, 2), jnp.uint32))
   sampler = SamplerState(params, zeros_i(b), jnp.zeros((b, v), jnp.bool_), zeros_i(b, v))
-  state = DecodeState(kvc.allocate(cfg, spec), sampler)
-  if shardings is not None:
-    state = jax.device_put(state, shardings)
-  return state
+  return DecodeState(kvc.allocate(cfg, spec), sampler)
 
 
 class _CacheHook:
@@ -89,30 +92,41 @@ def _put_rows(tree, idx, rows):
   return jax.tree.map(lambda a, r: a.at[idx].set(r), tree, rows)
 
 
-def prefill(graphdef, params, state: DecodeState, tokens, counts, slots, row_params: RowParams,
-            want_logprobs, *, fresh: bool, compute_dtype=jnp.float32):
-  model = nnx.merge(graphdef, params)
-  cfg = model.cfg
+def prefill_logits(model, cache: kvc.KVCache, tokens, counts, slots, *, fresh: bool, compute_dtype=jnp.float32):
+  """Writes P prompt chunks into cache rows `slots`; returns (logits of each last real token [P, V], cache)."""
   p, t = tokens.shape
-  cache = state.cache
   rows = kvc.KVCache(_take_rows(cache.layers, slots), cache.lengths[slots])
   start = jnp.zeros((p,), jnp.int32) if fresh else rows.lengths
   positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-  hook = _CacheHook(cfg, rows, start, counts, positions, "fresh" if fresh else "chunk")
+  hook = _CacheHook(model.cfg, rows, start, counts, positions, "fresh" if fresh else "chunk")
   hidden = model(tokens, positions, hook, compute_dtype=compute_dtype)
-  lengths = start + counts
-  cache = kvc.KVCache(_put_rows(cache.layers, slots, tuple(hook.layers)), cache.lengths.at[slots].set(lengths))
-
+  cache = kvc.KVCache(_put_rows(cache.layers, slots, tuple(hook.layers)), cache.lengths.at[slots].set(start + counts))
   last = jnp.take_along_axis(hidden, (counts - 1)[:, None, None], axis=1)[:, 0]  # [P, D]
-  logits = model.logits(last)  # [P, V]
+  return model.logits(last), cache
 
+
+def decode_logits(model, cache: kvc.KVCache, tokens, active, *, compute_dtype=jnp.float32):
+  """Feeds tokens [B] to the active rows; returns (logits [B, V], cache, count [B] of tokens written)."""
+  max_len = max(layer.k.shape[1] for layer in cache.layers)
+  lengths = cache.lengths
+  count = (active & (lengths < max_len)).astype(jnp.int32)
+  hook = _CacheHook(model.cfg, cache, lengths, count, lengths[:, None], "decode")
+  hidden = model(tokens[:, None], lengths[:, None], hook, compute_dtype=compute_dtype)
+  return model.logits(hidden[:, 0]), kvc.KVCache(tuple(hook.layers), lengths + count), count
+
+
+def prefill(graphdef, params, state: DecodeState, tokens, counts, slots, row_params: RowParams,
+            want_logprobs, *, fresh: bool, compute_dtype=jnp.float32):
+  model = nnx.merge(graphdef, params)
+  v = model.cfg.vocab_size
+  p, t = tokens.shape
+  logits, cache = prefill_logits(model, state.cache, tokens, counts, slots, fresh=fresh, compute_dtype=compute_dtype)
   s = state.sampler
   valid = jnp.arange(t)[None, :] < counts[:, None]
-  seen = jnp.zeros((p, cfg.vocab_size), jnp.bool_) if fresh else s.seen_prompt[slots]
-  seen = seen.at[jnp.arange(p)[:, None], jnp.where(valid, tokens, cfg.vocab_size)].set(True, mode="drop")
-  out_counts = jnp.zeros((p, cfg.vocab_size), jnp.int32)
-  rows_state = SamplerState(row_params, s.tokens[slots], seen, out_counts)
-  out = sample(logits, rows_state, lengths, want_logprobs)
+  seen = jnp.zeros((p, v), jnp.bool_) if fresh else s.seen_prompt[slots]
+  seen = seen.at[jnp.arange(p)[:, None], jnp.where(valid, tokens, v)].set(True, mode="drop")
+  out_counts = jnp.zeros((p, v), jnp.int32)
+  out = sample(logits, SamplerState(row_params, s.tokens[slots], seen, out_counts), cache.lengths[slots], want_logprobs)
   sampler = SamplerState(
       params=_put_rows(s.params, slots, row_params),
       tokens=s.tokens.at[slots].set(out.tokens),
@@ -123,22 +137,14 @@ def prefill(graphdef, params, state: DecodeState, tokens, counts, slots, row_par
 
 def decode_step(graphdef, params, state: DecodeState, active, want_logprobs, *, compute_dtype=jnp.float32):
   model = nnx.merge(graphdef, params)
-  cfg = model.cfg
-  cache, s = state.cache, state.sampler
-  b = cache.batch
-  max_len = max(layer.k.shape[1] for layer in cache.layers)
-  lengths = cache.lengths
-  count = (active & (lengths < max_len)).astype(jnp.int32)
-  tokens = s.tokens
-  out_counts = s.out_counts.at[jnp.arange(b), tokens].add(count)
-  hook = _CacheHook(cfg, cache, lengths, count, lengths[:, None], "decode")
-  hidden = model(tokens[:, None], lengths[:, None], hook, compute_dtype=compute_dtype)
-  logits = model.logits(hidden[:, 0])
-  new_state = SamplerState(s.params, tokens, s.seen_prompt, out_counts)
-  out = sample(logits, new_state, lengths + 1, want_logprobs)
-  next_tokens = jnp.where(count > 0, out.tokens, tokens)
-  new_cache = kvc.KVCache(tuple(hook.layers), lengths + count)
-  return DecodeState(new_cache, SamplerState(s.params, next_tokens, s.seen_prompt, out_counts)), out
+  s = state.sampler
+  b = s.tokens.shape[0]
+  lengths = state.cache.lengths
+  logits, cache, count = decode_logits(model, state.cache, s.tokens, active, compute_dtype=compute_dtype)
+  out_counts = s.out_counts.at[jnp.arange(b), s.tokens].add(count)
+  out = sample(logits, SamplerState(s.params, s.tokens, s.seen_prompt, out_counts), lengths + 1, want_logprobs)
+  next_tokens = jnp.where(count > 0, out.tokens, s.tokens)
+  return DecodeState(cache, SamplerState(s.params, next_tokens, s.seen_prompt, out_counts)), out
 
 
 class Programs:
@@ -146,17 +152,18 @@ class Programs:
 
   `shardings` (optional): dict with 'params' and 'state' sharding trees; when given, every program
   declares them as in/out shardings so the compiled code keeps weights and cache where they are.
+  The small host inputs and the sampled ids are declared replicated: every process of a
+  multi-host run passes the same values and can read the whole result.
   """
 
   def __init__(self, graphdef, compute_dtype=jnp.float32, shardings: dict[str, Any] | None = None):
     self.graphdef = graphdef
-    kw = {}
+    self.shardings = shardings
+    kw_prefill, kw_decode = {}, {}
     if shardings is not None:
-      ps, ss = shardings["params"], shardings["state"]
-      kw_prefill = dict(in_shardings=(ps, ss, None, None, None, None, None), out_shardings=(ss, None))
-      kw_decode = dict(in_shardings=(ps, ss, None, None), out_shardings=(ss, None))
-    else:
-      kw_prefill = kw_decode = kw
+      ps, ss, rep = shardings["params"], shardings["state"], self._replicated()
+      kw_prefill = dict(in_shardings=(ps, ss) + (rep,) * 5, out_shardings=(ss, rep))
+      kw_decode = dict(in_shardings=(ps, ss, rep, rep), out_shardings=(ss, rep))
     self._prefill = {
         fresh: jax.jit(functools.partial(prefill, graphdef, fresh=fresh, compute_dtype=compute_dtype),
                        donate_argnums=(1,), **kw_prefill)
@@ -164,6 +171,17 @@ class Programs:
     }
     self.decode = jax.jit(functools.partial(decode_step, graphdef, compute_dtype=compute_dtype),
                           donate_argnums=(1,), **kw_decode)
+
+  def _replicated(self):
+    mesh = jax.tree.leaves(self.shardings["state"])[0].mesh
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+  def state_update(self, fn, num_host_args: int):
+    """Jits `fn(state, *host_args) -> state` with the state donated and, if sharded, kept in place."""
+    if self.shardings is None:
+      return jax.jit(fn, donate_argnums=(0,))
+    ss, rep = self.shardings["state"], self._replicated()
+    return jax.jit(fn, donate_argnums=(0,), in_shardings=(ss,) + (rep,) * num_host_args, out_shardings=ss)
 
   def prefill(self, params, state, tokens, counts, slots, row_params, want_logprobs, *, fresh: bool):
     return self._prefill[fresh](params, state, tokens, counts, slots, row_params, want_logprobs)

@@ -1,0 +1,262 @@
+"""`jaxgen bench`: prefill and decode measured apart, against this device's own roofline.
+
+Roofline: the memory bandwidth (a large on-device reduction: bytes read per second, the access
+pattern of decode) and the matmul rate (a large square matmul in the weights' dtype and in
+float32) are measured once. Then:
+- prefill, batch 1, over prompt lengths: tokens/s and MFU = model FLOPs / time / matmul rate;
+- decode at each batch size: aggregate tokens/s, ms per step, and MBU = bytes a step must read
+  (weights + the KV entries it attends over) / step time / bandwidth;
+- offline throughput: many requests through the engine (continuous batching), aggregate output
+  tokens/s and its ratio to the batch-1 decode rate; HF transformers beside it when installed.
+No figure blends the phases.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def _timed(fn, *args, reps: int = 5) -> float:
+  """Best-of-`reps` seconds of fn(*args) (after one warm-up call)."""
+  jax.block_until_ready(fn(*args))
+  best = float("inf")
+  for _ in range(reps):
+    t = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    best = min(best, time.perf_counter() - t)
+  return best
+
+
+def roofline(dtype: str = "float32") -> dict:
+  """Measured memory read bandwidth (bytes/s) and matmul rate (FLOP/s) of the default device."""
+  n = 256 * 1024 * 1024 // 4  # 256 MiB of float32
+  x = jnp.ones((n // 1024, 1024), jnp.float32)
+  bw = x.nbytes / _timed(jax.jit(lambda a: jnp.sum(a, axis=0)), x)
+  del x
+  out = {"mem_bw": bw}
+  for name in sorted({"float32", dtype}):
+    m = 2048
+    a = jnp.ones((m, m), name)
+    out[f"matmul_{name}"] = 2 * m**3 / _timed(jax.jit(lambda p, q: p @ q), a, a)
+  out["matmul"] = out[f"matmul_{dtype}"]
+  return out
+
+
+def model_bytes(llm) -> int:
+  return sum(int(x.nbytes) for x in jax.tree.leaves(llm.engine.params))
+
+
+def prefill_flops(cfg, t: int) -> float:
+  """Matmul FLOPs of prefilling t tokens (weights, attention over the causal/windowed prefix, and
+  the logits of the last position)."""
+  d, n, k, h, f = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim
+  per_tok = 2 * (d * n * h + 2 * d * k * h + n * h * d + 3 * d * f) * cfg.num_layers
+  attn = 0
+  for kind in cfg.layer_kinds:
+    span = min(t, cfg.sliding_window) if kind == "local" else t
+    attn += 2 * 2 * n * h * t * span / (1 if kind == "local" and t > span else 2)
+  return per_tok * t + attn + 2 * cfg.vocab_size * d
+
+
+def _fill(engine, batch: int, prompt_len: int):
+  """Prefills `batch` slots with random prompts; returns the engine (state ready to decode)."""
+  rng = np.random.default_rng(0)
+  for slot in range(batch):
+    req_ids = rng.integers(10, 1000, prompt_len).tolist()
+    engine.add_request(req_ids, _bench_params(4096))
+  engine._admit()
+  while any(s is not None and s.req.prefilled < len(s.req.prompt_ids) for s in engine.slots):
+    engine._admit()
+  return engine
+
+
+def _bench_params(max_tokens):
+  from jaxgen.decode.params import SamplingParams
+
+  return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def bench_prefill(llm, lengths, roof) -> list[dict]:
+  eng = llm.engine
+  rows = []
+  for t in lengths:
+    if t >= eng.max_len:
+      continue
+    bucket = next(b for b in eng.buckets if b >= min(t, eng.chunk))
+    tokens = np.random.default_rng(t).integers(10, 1000, (1, bucket)).astype(np.int32)
+    row = eng._row_params(_dummy_request(eng, t), _DummySeq())
+
+    def run(t=t, tokens=tokens, row=row):
+      # Chunked like the engine does it when t exceeds the largest bucket.
+      done, fresh = 0, True
+      while done < t:
+        n = min(eng.chunk, t - done)
+        b = next(b for b in eng.buckets if b >= n)
+        eng.state, out = eng.programs.prefill(eng.params, eng.state, tokens[:, :b], np.array([n], np.int32),
+                                              np.array([0], np.int32), row, np.bool_(False), fresh=fresh)
+        done, fresh = done + n, False
+      return out.tokens
+
+    sec = _timed(run, reps=3)
+    flops = prefill_flops(llm.cfg, t)
+    rows.append(dict(prompt_len=t, seconds=sec, tok_s=t / sec, mfu=flops / sec / roof["matmul"]))
+  return rows
+
+
+class _DummySeq:
+  seed = 0
+
+
+def _dummy_request(eng, n):
+  from jaxgen.decode.engine import _Request
+  from jaxgen.decode.outputs import RequestMetrics
+
+  return _Request("bench", None, [0] * n, _bench_params(1), 1, frozenset(), RequestMetrics(0.0, n))
+
+
+def bench_decode(llm, batches, context: int, steps: int, roof) -> list[dict]:
+  from jaxgen.decode.engine import Engine
+
+  rows = []
+  weights = model_bytes(llm)
+  for b in batches:
+    eng = Engine(llm.model, llm.tokenizer, max_batch=b, max_len=llm.max_len, prefill_chunk=llm.engine.chunk,
+                 cache_dtype=llm.engine.spec.dtype)
+    _fill(eng, b, context)
+    active = np.ones(b, np.bool_)
+
+    def run(eng=eng, active=active):
+      for _ in range(steps):
+        eng.state, out = eng.programs.decode(eng.params, eng.state, active, np.bool_(False))
+      return out.tokens
+
+    sec = _timed(run, reps=3) / steps
+    kv_read = sum(int(layer.k.nbytes + layer.v.nbytes) for layer in eng.state.cache.layers)
+    moved = weights + kv_read
+    rows.append(dict(batch=b, step_ms=sec * 1e3, tok_s=b / sec, mbu=moved / sec / roof["mem_bw"],
+                     bytes_per_step=moved))
+    del eng
+  return rows
+
+
+def bench_throughput(llm, n_requests: int, prompt_len: int, out_len: int, slots: int) -> dict:
+  from jaxgen.decode.engine import Engine
+
+  eng = Engine(llm.model, llm.tokenizer, max_batch=slots, max_len=llm.max_len, prefill_chunk=llm.engine.chunk,
+               cache_dtype=llm.engine.spec.dtype)
+  eng.warmup()
+  rng = np.random.default_rng(1)
+  prompts = [rng.integers(10, 1000, prompt_len).tolist() for _ in range(n_requests)]
+  t = time.perf_counter()
+  for p in prompts:
+    eng.add_request(p, _bench_params(out_len))
+  generated = 0
+  while eng.has_unfinished():
+    for out in eng.step():
+      if out.finished:
+        generated += sum(len(o.token_ids) for o in out.outputs)
+  sec = time.perf_counter() - t
+  m = eng.metrics()
+  return dict(requests=n_requests, prompt_len=prompt_len, out_len=out_len, slots=slots, seconds=sec,
+              out_tok_s=generated / sec, prefill_s=m["prefill_s"], decode_s=m["decode_s"])
+
+
+def bench_hf(n_requests: int, prompt_len: int, out_len: int, batch: int, dtype: str) -> dict | None:
+  """HF transformers' batched generate on the same GGUF, if the reference extra is installed."""
+  try:
+    import torch
+    import transformers
+  except ImportError:
+    return None
+  import os
+
+  from jaxgen.checkpoints.load import default_model_path
+
+  path = default_model_path()
+  torch.set_num_threads(os.cpu_count() or 1)
+  model = transformers.AutoModelForCausalLM.from_pretrained(
+      os.path.dirname(path), gguf_file=os.path.basename(path), dtype=getattr(torch, dtype))
+  rng = np.random.default_rng(1)
+  prompts = torch.tensor(rng.integers(10, 1000, (n_requests, prompt_len)))
+  t = time.perf_counter()
+  for i in range(0, n_requests, batch):
+    model.generate(prompts[i:i + batch], attention_mask=torch.ones_like(prompts[i:i + batch]),
+                   max_new_tokens=out_len, min_new_tokens=out_len, do_sample=False)
+  sec = time.perf_counter() - t
+  return dict(peer=f"transformers {transformers.__version__}", batch=batch, seconds=sec,
+              out_tok_s=n_requests * out_len / sec)
+
+
+def run(a) -> int:
+  from jaxgen import LLM
+
+  quick = a.quick
+  lengths = [int(x) for x in a.prompt_lengths.split(",")]
+  batches = [int(x) for x in a.batches.split(",")]
+  llm = LLM(a.model, dtype=a.dtype, max_len=max(max(lengths) + 64, 512), max_batch=1, prefill_chunk=a.prefill_chunk)
+  info = dict(device=str(jax.devices()[0].device_kind), backend=jax.default_backend(), cores=jax.device_count(),
+              dtype=a.dtype, weights_bytes=model_bytes(llm), model=llm.cfg.family)
+  roof = roofline(a.dtype)
+  report = dict(info=info, roofline=roof)
+  report["prefill"] = bench_prefill(llm, lengths, roof)
+  report["decode"] = bench_decode(llm, batches, context=a.context, steps=4 if quick else 16, roof=roof)
+  if a.throughput:
+    n, pl, ol, slots = (8, 64, 16, 4) if quick else (64, 256, 128, 16)
+    report["throughput"] = bench_throughput(llm, n, pl, ol, slots)
+    b1 = next((r["tok_s"] for r in report["decode"] if r["batch"] == 1), None)
+    if b1:
+      report["throughput"]["ratio_to_batch1_decode"] = report["throughput"]["out_tok_s"] / b1
+    if a.peers:
+      report["throughput"]["hf"] = bench_hf(n, pl, ol, slots, a.dtype)
+  if a.json:
+    print(json.dumps(report, indent=1))
+  else:
+    _print(report)
+  return 0
+
+
+def _print(r: dict) -> None:
+  i, roof = r["info"], r["roofline"]
+  print(f"device: {i['device']} ({i['backend']}), weights {i['dtype']} {i['weights_bytes'] / 1e6:.0f} MB")
+  print(f"roofline: memory {roof['mem_bw'] / 1e9:.1f} GB/s, matmul {roof['matmul'] / 1e9:.0f} GFLOP/s ({i['dtype']})")
+  print("\nprefill (batch 1)      tokens   ms       tok/s   MFU")
+  for p in r["prefill"]:
+    print(f"                       {p['prompt_len']:6d} {p['seconds'] * 1e3:8.1f} {p['tok_s']:9.0f} {100 * p['mfu']:5.1f}%")
+  print("\ndecode                 batch  ms/step  tok/s   MBU")
+  for d in r["decode"]:
+    print(f"                       {d['batch']:5d} {d['step_ms']:8.1f} {d['tok_s']:8.1f} {100 * d['mbu']:5.1f}%")
+  t = r.get("throughput")
+  if t:
+    print(f"\noffline throughput: {t['requests']} requests x (prompt {t['prompt_len']}, output {t['out_len']}), "
+          f"{t['slots']} slots: {t['out_tok_s']:.1f} output tok/s "
+          f"({t.get('ratio_to_batch1_decode', float('nan')):.1f}x batch-1 decode)")
+    if t.get("hf"):
+      h = t["hf"]
+      print(f"  {h['peer']} generate, batch {h['batch']}: {h['out_tok_s']:.1f} output tok/s")
+
+
+def register(sub, model_args, sampling_args) -> None:
+  p = sub.add_parser("bench", help="measure prefill and decode apart, against the roofline")
+  model_args(p)
+  p.add_argument("--prompt-lengths", default="128,512,1024,2048")
+  p.add_argument("--batches", default="1,4,16")
+  p.add_argument("--context", type=int, default=128, help="tokens in each slot while decode is timed")
+  p.add_argument("--prefill-chunk", type=int, default=1024)
+  p.add_argument("--throughput", action=argparse.BooleanOptionalAction, default=True)
+  p.add_argument("--peers", action="store_true", help="also run HF transformers (needs the reference extra)")
+  p.add_argument("--quick", action="store_true", help="fewer steps and a small throughput run")
+  p.add_argument("--json", action="store_true")
+  p.set_defaults(func=run)
+
+
+if __name__ == "__main__":
+  from jaxgen.decode.cli import main
+
+  sys.exit(main(["bench", *sys.argv[1:]]))

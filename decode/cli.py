@@ -1,0 +1,151 @@
+"""The `jaxgen` command: generate (default), bench, and the subcommands other modules register.
+
+`jaxgen` alone generates from a default prompt with the embedded Gemma 3 270M and prints the
+phase report (prefill and decode apart, never one blended speed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+DEFAULT_PROMPT = "The three most important ideas in computer science are"
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+  p.add_argument("--model", default=None, help="GGUF file, HF directory or orbax directory (default: embedded Gemma 3 270M)")
+  p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+  p.add_argument("--max-len", type=int, default=2048, help="tokens per cache slot (prompt + output)")
+  p.add_argument("--max-batch", type=int, default=1, help="cache slots decoded together")
+  p.add_argument("--mesh", default=None, metavar="data=D,model=M",
+                 help="split the model over devices: 'model' splits the weights, 'data' the slots; -1 = the rest")
+  p.add_argument("--distributed", action="store_true",
+                 help="join a multi-process run (jax.distributed); every process runs the same command")
+  p.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                 help="with --distributed: process 0's address (leave out where JAX detects it: Cloud TPU, SLURM)")
+  p.add_argument("--num-processes", type=int, default=None, help="with --distributed: number of processes")
+  p.add_argument("--process-id", type=int, default=None, help="with --distributed: this process's rank")
+
+
+def _mesh(a):
+  """The MeshConfig of --mesh; a multi-process run without --mesh splits the weights over all devices."""
+  from jaxgen.sharding.mesh import MeshConfig
+
+  if a.mesh:
+    return MeshConfig.parse(a.mesh)
+  return MeshConfig(data=1) if a.distributed else None
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+  p.add_argument("--max-tokens", type=int, default=64)
+  p.add_argument("--temperature", type=float, default=0.0)
+  p.add_argument("--top-k", type=int, default=-1)
+  p.add_argument("--top-p", type=float, default=1.0)
+  p.add_argument("--min-p", type=float, default=0.0)
+  p.add_argument("--seed", type=int, default=None)
+  p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+  p.add_argument("--ignore-eos", action="store_true")
+
+
+def _params(a):
+  from jaxgen.decode.params import SamplingParams
+
+  return SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
+                        min_p=a.min_p, seed=a.seed, stop=a.stop, ignore_eos=a.ignore_eos)
+
+
+def phase_report(out, wall_s: float) -> str:
+  """One line: TTFT, prefill tok/s, decode tok/s, share of wall time per phase, finish reason."""
+  m = out.metrics
+  prefill_s = m.ttft_s or 0.0
+  decode_s = m.decode_s
+  pre_tps = m.prompt_tokens / prefill_s if prefill_s else float("nan")
+  dec_tps = (m.generated_tokens - 1) / decode_s if decode_s else float("nan")
+  total = max(wall_s, 1e-9)
+  return (f"[prefill] {m.prompt_tokens} tok, TTFT {prefill_s * 1e3:.0f} ms, {pre_tps:.0f} tok/s, "
+          f"{100 * prefill_s / total:.0f}% of wall | [decode] {m.generated_tokens} tok, "
+          f"{(m.tpot_s or float('nan')) * 1e3:.1f} ms/tok, {dec_tps:.1f} tok/s, {100 * decode_s / total:.0f}% of wall "
+          f"| finish_reason={out.finish_reason}")
+
+
+def cmd_generate(a) -> int:
+  from jaxgen import LLM
+
+  import jax
+
+  t0 = time.perf_counter()
+  llm = LLM(a.model, dtype=a.dtype, max_len=a.max_len, max_batch=a.max_batch, mesh=_mesh(a))
+  load_s = time.perf_counter() - t0
+  main_process = jax.process_index() == 0
+  if llm.plan is not None and main_process and not a.quiet:
+    print(llm.plan, file=sys.stderr)
+  warm_s = llm.warmup() if not a.no_warmup else 0.0
+  prompt = a.prompt if a.prompt is not None else DEFAULT_PROMPT
+  params = _params(a)
+  start = time.perf_counter()
+  if not main_process:  # multi-process: the others run the same programs and print nothing
+    llm.generate(prompt, params, use_tqdm=False)
+    return 0
+  if a.json:
+    out = llm.generate(prompt, params, use_tqdm=False)[0]
+    wall = time.perf_counter() - start
+    print(json.dumps(dict(prompt=prompt, text=out.text, token_ids=out.token_ids, finish_reason=out.finish_reason,
+                          metrics=out.metrics.as_dict(), load_s=load_s, warmup_s=warm_s, wall_s=wall)))
+    return 0
+  if not a.quiet:
+    print(f"# loaded in {load_s:.1f} s, compiled in {warm_s:.1f} s", file=sys.stderr)
+  sys.stdout.write(prompt)
+  for delta in llm.stream(prompt, params):
+    sys.stdout.write(delta)
+    sys.stdout.flush()
+  wall = time.perf_counter() - start
+  sys.stdout.write("\n")
+  print(phase_report(llm.last_output, wall), file=sys.stderr)
+  return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(prog="jaxgen", description="JAX/XLA compiled LLM inference")
+  sub = parser.add_subparsers(dest="command")
+  g = sub.add_parser("generate", help="stream a completion and print the phase report")
+  g.add_argument("prompt", nargs="?", default=None)
+  _model_args(g)
+  _sampling_args(g)
+  g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+  g.add_argument("--no-warmup", action="store_true", help="skip compiling every program up front")
+  g.add_argument("--quiet", action="store_true")
+  g.set_defaults(func=cmd_generate)
+  for register in _subcommands():
+    register(sub, _model_args, _sampling_args)
+  return parser
+
+
+def _subcommands():
+  """Registration functions of the other subcommands (each adds its parser)."""
+  from jaxgen.checkpoints import cli as checkpoints_cli
+  from jaxgen.decode import bench
+
+  return [bench.register, checkpoints_cli.register]
+
+
+def main(argv=None) -> int:
+  argv = list(sys.argv[1:] if argv is None else argv)
+  parser = build_parser()
+  if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
+    argv = ["generate", *argv]
+  a = parser.parse_args(argv)
+  try:
+    if getattr(a, "distributed", False):
+      from jaxgen.sharding import distributed
+
+      distributed.initialize(a.coordinator, a.num_processes, a.process_id)
+    return a.func(a)
+  except (ValueError, FileNotFoundError) as e:
+    print(f"jaxgen: error: {e}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+  sys.exit(main())

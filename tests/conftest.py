@@ -1,0 +1,104 @@
+"""Shared fixtures: tiny random models (fast structure tests) and the embedded model (loaded once).
+
+Layers of tests: tiny configs check structure and invariants in seconds; component numerics are
+checked against numpy; the real embedded model is checked against golden data produced by an
+independent implementation (HF transformers, `tools/make_reference.py`).
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxgen.model.config import ModelConfig, layer_pattern
+from jaxgen.model.transformer import Transformer
+
+DATA = pathlib.Path(__file__).parent / "data"
+
+
+def tiny_config(**kw) -> ModelConfig:
+  """A Gemma-3-shaped model small enough to compile in about a second."""
+  base = dict(family="gemma3", vocab_size=300, embed_dim=32, num_layers=4, num_heads=4, num_kv_heads=2,
+              head_dim=16, mlp_dim=64, max_context=512, norm_offset=1.0, rope_base=1e6, rope_base_local=1e4,
+              sliding_window=8, query_scale=0.25, embed_scale=True, activation="gelu_tanh", qk_norm=True,
+              sandwich_norm=True)
+  base.update(kw)
+  base.setdefault("layer_kinds", layer_pattern(base["num_layers"], 2, base["sliding_window"]))
+  return ModelConfig(**base)
+
+
+class ToyTokenizer:
+  """Ids 0..2 are special (pad, eos, bos); every id i >= 3 decodes to one printable ASCII character.
+
+  Enough for engine tests on tiny random models (special ids decode to nothing).
+  """
+
+  bos_id, eos_id, pad_id, add_bos = 2, 1, 0, True
+
+  def __init__(self, vocab_size: int):
+    self.vocab_size = vocab_size
+
+  @property
+  def stop_ids(self):
+    return frozenset({1})
+
+  def _char(self, i: int) -> str:
+    return chr(0x41 + (i - 3) % 58)
+
+  def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    ids = [3 + (ord(c) - 0x41) % 58 for c in text]
+    return ([2] if add_special_tokens else []) + ids
+
+  def decode(self, ids, skip_special_tokens: bool = True) -> str:
+    return "".join(self._char(i) for i in ids if i >= 3)
+
+
+def tiny_model(cfg: ModelConfig | None = None, seed: int = 0, dtype=jnp.float32) -> Transformer:
+  cfg = cfg or tiny_config()
+  model = Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(seed))
+  # Give the norms some spread so a wrong (1 + w) convention would show.
+  rng = np.random.default_rng(seed)
+  for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+    if "norm" in str(path[-1]):
+      var.set_value(jnp.asarray(rng.normal(0, 0.3, var.get_value().shape), dtype))
+  return model
+
+
+@pytest.fixture(scope="session")
+def golden():
+  """The committed reference data: {name: {ids, top_ids, top_logprobs, greedy_ids, greedy_margin}}."""
+  path = DATA / "gemma3_270m_golden.npz"
+  z = np.load(path, allow_pickle=False)
+  out = {}
+  for name in z["names"]:
+    name = str(name)
+    out[name] = {k: z[f"{name}/{k}"] for k in ("text", "ids", "top_ids", "top_logprobs", "greedy_ids", "greedy_margin")}
+  return out
+
+
+@pytest.fixture(scope="session")
+def llm():
+  """The embedded Gemma 3 270M in float32 with a small engine (loaded once per session)."""
+  from jaxgen import LLM
+
+  return LLM(dtype="float32", max_len=1536, max_batch=4, prefill_chunk=256)
+
+
+@pytest.fixture(scope="session")
+def llm_bf16():
+  from jaxgen import LLM
+
+  return LLM(dtype="bfloat16", max_len=256, max_batch=1, prefill_chunk=256)
+
+
+def pytest_collection_modifyitems(config, items):
+  if os.environ.get("JAXGEN_SKIP_SLOW"):
+    skip = pytest.mark.skip(reason="JAXGEN_SKIP_SLOW is set")
+    for item in items:
+      if "slow" in item.keywords:
+        item.add_marker(skip)

@@ -1,0 +1,100 @@
+"""Cached prefill (fresh and chunked) + decode steps == one uncached forward, on tiny models.
+
+The sliding window (8) is much shorter than the sequences, so the ring buffer of the local
+layers wraps many times, also inside one prefill chunk.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxgen.decode import cache as kvc
+from jaxgen.decode import steps
+from conftest import tiny_config, tiny_model
+
+
+def cached_logits(model, ids, chunks, slots=3, slot=1, max_len=64):
+  """Prefills ids[:sum(chunks)] in the given chunk sizes into `slot`, then decodes the rest
+  teacher-forced. Returns {position: logits} for each chunk end and each decode step."""
+  cfg = model.cfg
+  gd, params = nnx.split(model)
+  cache = kvc.allocate(cfg, kvc.CacheSpec(slots, max_len))
+
+  @functools.partial(jax.jit, static_argnames="fresh")
+  def pre(params, cache, tokens, counts, slots, fresh):
+    return steps.prefill_logits(nnx.merge(gd, params), cache, tokens, counts, slots, fresh=fresh)
+
+  @jax.jit
+  def dec(params, cache, tokens, active):
+    logits, cache, _ = steps.decode_logits(nnx.merge(gd, params), cache, tokens, active)
+    return logits, cache
+
+  out, done = {}, 0
+  for i, n in enumerate(chunks):
+    bucket = 16 if n <= 16 else 32
+    tokens = np.zeros((1, bucket), np.int32)
+    tokens[0, :n] = ids[done:done + n]
+    logits, cache = pre(params, cache, tokens, np.array([n], np.int32), np.array([slot], np.int32), fresh=i == 0)
+    done += n
+    out[done - 1] = np.asarray(logits[0])
+  active = np.zeros(slots, bool)
+  active[slot] = True
+  for pos in range(done, len(ids)):
+    tokens = np.zeros(slots, np.int32)
+    tokens[slot] = ids[pos]
+    logits, cache = dec(params, cache, tokens, active)
+    out[pos] = np.asarray(logits[slot])
+  assert int(cache.lengths[slot]) == len(ids)
+  assert all(int(cache.lengths[s]) == 0 for s in range(slots) if s != slot)
+  return out
+
+
+def uncached(model, ids):
+  positions = jnp.arange(len(ids))[None]
+  return np.asarray(model.logits(model(jnp.asarray([ids]), positions)))[0]
+
+
+@pytest.mark.parametrize("chunks", [(5,), (20,), (16, 7), (3, 16, 16, 2)])
+def test_cached_equals_uncached(chunks):
+  model = tiny_model()
+  ids = list(np.random.default_rng(1).integers(3, 300, 50))
+  ref = uncached(model, ids)
+  got = cached_logits(model, ids, chunks)
+  assert len(got) == len(chunks) + 50 - sum(chunks)
+  for pos, logits in got.items():
+    np.testing.assert_allclose(logits, ref[pos], atol=1e-4, rtol=1e-4, err_msg=f"position {pos}")
+
+
+def test_all_global_layers_and_grouped_heads():
+  cfg = tiny_config(sliding_window=None, layer_kinds=("global",) * 4, num_kv_heads=1, qk_norm=False,
+                    sandwich_norm=False, norm_offset=0.0, activation="silu", embed_scale=False, query_scale=0.0)
+  model = tiny_model(cfg)
+  ids = list(np.random.default_rng(2).integers(3, 300, 30))
+  ref = uncached(model, ids)
+  for pos, logits in cached_logits(model, ids, (9, 16)).items():
+    np.testing.assert_allclose(logits, ref[pos], atol=1e-4, rtol=1e-4, err_msg=f"position {pos}")
+
+
+def test_entry_positions_of_ring_and_full_layers():
+  lengths = jnp.array([0, 3, 8, 11])
+  ring = np.asarray(kvc.entry_positions(lengths, 4, ring=True))
+  np.testing.assert_array_equal(ring, [[-1, -1, -1, -1], [0, 1, 2, -1], [4, 5, 6, 7], [8, 9, 10, 7]])
+  full = np.asarray(kvc.entry_positions(lengths, 12, ring=False))
+  np.testing.assert_array_equal(full[1], [0, 1, 2] + [-1] * 9)
+  np.testing.assert_array_equal(full[3], list(range(11)) + [-1])
+
+
+def test_cache_sizes_ring_vs_full():
+  cfg = tiny_config()  # 4 layers: local, global, local, global; window 8
+  spec = kvc.CacheSpec(slots=2, max_len=64)
+  per_entry = 2 * cfg.num_kv_heads * cfg.head_dim * 4
+  assert spec.bytes_per_slot(cfg) == per_entry * (8 + 64 + 8 + 64)
+  assert spec.total_bytes(cfg) == 2 * spec.bytes_per_slot(cfg)
+  shapes = spec.shapes(cfg)
+  assert [layer.k.shape[1] for layer in shapes.layers] == [8, 64, 8, 64]
+  allocated = kvc.allocate(cfg, spec)
+  assert sum(x.nbytes for x in jax.tree.leaves(allocated.layers)) == spec.total_bytes(cfg)

@@ -1,0 +1,83 @@
+"""Component numerics against numpy: RMSNorm, RoPE, GELU, masks (hand-written), attention."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxgen.model import layers as L
+
+RNG = np.random.default_rng(0)
+
+
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_rms_norm_matches_numpy(offset):
+  x = RNG.normal(size=(2, 3, 8)).astype(np.float32)
+  w = RNG.normal(size=(8,)).astype(np.float32)
+  want = x / np.sqrt(np.mean(x**2, axis=-1, keepdims=True) + 1e-6) * (offset + w)
+  np.testing.assert_allclose(L.rms_norm(jnp.asarray(x), jnp.asarray(w), 1e-6, offset), want, rtol=1e-5, atol=1e-6)
+
+
+def test_rope_matches_numpy_rotate_half():
+  b, t, n, h = 1, 5, 2, 8
+  x = RNG.normal(size=(b, t, n, h)).astype(np.float32)
+  pos = np.array([[0, 1, 2, 7, 100]])
+  base, scale = 10_000.0, 2.0
+  inv = 1.0 / base ** (np.arange(0, h, 2) / h)
+  ang = (pos[..., None] / scale) * inv  # [B, T, H/2]
+  cos, sin = np.cos(ang)[:, :, None], np.sin(ang)[:, :, None]
+  x1, x2 = x[..., : h // 2], x[..., h // 2:]
+  want = np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  np.testing.assert_allclose(L.rope(jnp.asarray(x), jnp.asarray(pos), base, scale), want, rtol=1e-5, atol=1e-5)
+  # Position 0 is the identity; the rotation preserves norms.
+  np.testing.assert_allclose(np.asarray(L.rope(jnp.asarray(x), jnp.asarray(pos), base))[:, 0], x[:, 0], atol=1e-6)
+
+
+def test_gelu_tanh_matches_numpy():
+  x = np.linspace(-6, 6, 101).astype(np.float32)
+  want = 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x**3)))
+  np.testing.assert_allclose(L.gelu_tanh(jnp.asarray(x)), want, rtol=1e-5, atol=1e-6)
+
+
+def test_causal_mask_hand_written():
+  pos = jnp.arange(4)[None]
+  want = np.array([[1, 0, 0, 0],
+                   [1, 1, 0, 0],
+                   [1, 1, 1, 0],
+                   [1, 1, 1, 1]], bool)
+  np.testing.assert_array_equal(L.attention_mask(pos, pos, None)[0], want)
+
+
+def test_sliding_window_mask_hand_written():
+  # Window 3: a query sees itself and the 2 keys before it.
+  pos = jnp.arange(6)[None]
+  want = np.array([[1, 0, 0, 0, 0, 0],
+                   [1, 1, 0, 0, 0, 0],
+                   [1, 1, 1, 0, 0, 0],
+                   [0, 1, 1, 1, 0, 0],
+                   [0, 0, 1, 1, 1, 0],
+                   [0, 0, 0, 1, 1, 1]], bool)
+  np.testing.assert_array_equal(L.attention_mask(pos, pos, 3)[0], want)
+
+
+def test_mask_ignores_empty_entries_and_future_positions():
+  q = jnp.array([[5]])
+  k = jnp.array([[3, -1, 5, 6, 4]])  # -1: an empty cache entry; 6: after the query
+  np.testing.assert_array_equal(L.attention_mask(q, k, None)[0, 0], [1, 0, 1, 0, 1])
+  np.testing.assert_array_equal(L.attention_mask(q, k, 2)[0, 0], [0, 0, 1, 0, 1])
+
+
+def test_grouped_attention_matches_numpy():
+  b, t, s, n, k, h = 1, 3, 5, 4, 2, 8
+  q = RNG.normal(size=(b, t, n, h)).astype(np.float32)
+  kk = RNG.normal(size=(b, s, k, h)).astype(np.float32)
+  v = RNG.normal(size=(b, s, k, h)).astype(np.float32)
+  mask = RNG.random((b, t, s)) > 0.3
+  mask[..., 0] = True
+  out = np.asarray(L.attend(jnp.asarray(q), jnp.asarray(kk), jnp.asarray(v), jnp.asarray(mask), None))
+  g = n // k
+  for head in range(n):
+    sc = q[0, :, head] @ kk[0, :, head // g].T
+    sc = np.where(mask[0], sc, -np.inf)
+    p = np.exp(sc - sc.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    np.testing.assert_allclose(out[0, :, head], p @ v[0, :, head // g], rtol=1e-5, atol=1e-5)
