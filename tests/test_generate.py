@@ -1,0 +1,147 @@
+"""Compiled generation on the embedded model: cache invariant, golden greedy continuations,
+seeds, stop rules and bad input (each a ValueError naming the field, the LLM usable after)."""
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxgen import SamplingParams
+from jaxgen.decode import steps
+
+pytestmark = pytest.mark.slow
+
+
+def test_prefill_then_decode_equals_uncached_across_the_ring(llm, golden):
+  """1,200 prompt tokens (chunked prefill, ring of 512 wrapped) + 64 decode steps vs one pass."""
+  eng = llm.engine
+  ids = golden["long"]["ids"].tolist()
+  ids = (ids + golden["code"]["ids"].tolist()[1:] + golden["list"]["ids"].tolist()[1:])[:1200 + 64]
+  assert len(ids) == 1264
+  ref = llm.logits(ids)
+  gd, params = eng.graphdef, eng.params
+  pre = jax.jit(lambda p, c, t, n, s, fresh: steps.prefill_logits(nnx.merge(gd, p), c, t, n, s, fresh=fresh),
+                static_argnums=5)
+  dec = jax.jit(lambda p, c, t, a: steps.decode_logits(nnx.merge(gd, p), c, t, a)[:2])
+  cache = eng.state.cache
+  slot, done, chunk = 2, 0, eng.chunk
+  while done < 1200:
+    n = min(chunk, 1200 - done)
+    tokens = np.zeros((1, chunk), np.int32)
+    tokens[0, :n] = ids[done:done + n]
+    logits, cache = pre(params, cache, tokens, np.array([n], np.int32), np.array([slot], np.int32), done == 0)
+    done += n
+  np.testing.assert_allclose(np.asarray(logits[0]), ref[1199], atol=1e-4, rtol=1e-4)
+  active = np.zeros(eng.spec.slots, bool)
+  active[slot] = True
+  for pos in range(1200, 1264):
+    tokens = np.zeros(eng.spec.slots, np.int32)
+    tokens[slot] = ids[pos]
+    logits, cache = dec(params, cache, tokens, active)
+    np.testing.assert_allclose(np.asarray(logits[slot]), ref[pos], atol=1e-4, rtol=1e-4, err_msg=f"position {pos}")
+  eng.state = eng.state.replace(cache=cache.replace(lengths=cache.lengths * 0))
+
+
+def test_greedy_reproduces_golden_continuations(llm, golden):
+  names = list(golden)
+  outs = llm.generate([golden[n]["ids"].tolist() for n in names],
+                      SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True), use_tqdm=False)
+  compared = 0
+  for name, out in zip(names, outs):
+    g = golden[name]
+    want, margin = g["greedy_ids"].tolist(), g["greedy_margin"]
+    unclear = np.nonzero(margin < 1e-2)[0]
+    upto = int(unclear[0]) if unclear.size else len(want)
+    assert out.token_ids[:upto] == want[:upto], f"{name}: differs before the first unclear step {upto}"
+    assert out.finish_reason == "length" and len(out.token_ids) == 32
+    compared += upto
+  assert compared >= 100, f"only {compared} tokens were decisive enough to compare"
+
+
+def test_seeds_temperature_zero_and_top_k_one(llm):
+  prompt = "Once upon a time"
+  greedy = llm.generate(prompt, SamplingParams(max_tokens=12, temperature=0.0), use_tqdm=False)[0]
+  k1 = llm.generate(prompt, SamplingParams(max_tokens=12, temperature=0.9, top_k=1, seed=3), use_tqdm=False)[0]
+  assert k1.token_ids == greedy.token_ids
+  a = llm.generate(prompt, SamplingParams(max_tokens=12, temperature=1.0, seed=7), use_tqdm=False)[0]
+  b = llm.generate(prompt, SamplingParams(max_tokens=12, temperature=1.0, seed=7), use_tqdm=False)[0]
+  c = llm.generate(prompt, SamplingParams(max_tokens=12, temperature=1.0, seed=8), use_tqdm=False)[0]
+  assert a.token_ids == b.token_ids and a.text == b.text
+  assert a.token_ids != c.token_ids
+
+
+def test_stop_rules(llm):
+  prompt = "The capital of France is Paris. The capital of Germany is"
+  base = llm.generate(prompt, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True), use_tqdm=False)[0]
+  assert base.finish_reason == "length" and len(base.token_ids) == 10
+  toks = base.token_ids
+
+  # A stop token id: generation ends on it, the id is the last one, its text is not in the output.
+  out = llm.generate(prompt, SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=[toks[3]]), use_tqdm=False)[0]
+  assert out.finish_reason == "stop" and out.token_ids == toks[:4] and out.outputs[0].stop_reason == toks[3]
+
+  # A stop string spanning the boundary of two tokens.
+  pieces = [llm.tokenizer.decode([t]) for t in toks]
+  i = next(j for j in range(2, 9) if len(pieces[j]) >= 2 and len(pieces[j + 1]) >= 1 and pieces[j].strip())
+  stop = pieces[i][-2:] + pieces[i + 1][:1]
+  text_before = "".join(pieces[:i]) + pieces[i][:-2]
+  out = llm.generate(prompt, SamplingParams(max_tokens=10, temperature=0.0, stop=[stop]), use_tqdm=False)[0]
+  assert out.finish_reason == "stop" and out.outputs[0].stop_reason == stop
+  assert out.text == llm.tokenizer.decode(toks[:i + 2])[:len(text_before)]
+  assert stop not in out.text
+  inc = llm.generate(prompt, SamplingParams(max_tokens=10, temperature=0.0, stop=[stop], include_stop_str_in_output=True),
+                     use_tqdm=False)[0]
+  assert inc.text.endswith(stop)
+
+  # EOS, made certain with a logit bias, is held back by min_tokens and then ends generation.
+  out = llm.generate(prompt, SamplingParams(max_tokens=10, temperature=0.0, min_tokens=3, logit_bias={1: 100.0}),
+                     use_tqdm=False)[0]
+  assert out.finish_reason == "stop" and len(out.token_ids) == 4 and out.token_ids[-1] == 1
+  ignored = llm.generate(prompt, SamplingParams(max_tokens=5, temperature=0.0, logit_bias={1: 100.0}, ignore_eos=True),
+                         use_tqdm=False)[0]
+  assert ignored.finish_reason == "length" and ignored.token_ids == [1] * 5
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(temperature=-0.5), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_k=0), "top_k"),
+    (dict(top_k=-2), "top_k"),
+    (dict(n=0), "n"),
+    (dict(logprobs=21), "logprobs"),
+])
+def test_bad_sampling_params_name_the_field(kwargs, field):
+  with pytest.raises(ValueError, match=rf"SamplingParams\.{field}="):
+    SamplingParams(**kwargs)
+
+
+def test_bad_prompts_raise_and_leave_the_llm_usable(llm):
+  v = llm.cfg.vocab_size
+  with pytest.raises(ValueError, match="prompts is empty"):
+    llm.generate([])
+  with pytest.raises(ValueError, match=rf"prompt has {llm.max_len + 5} tokens; the context limit is max_len={llm.max_len}"):
+    llm.generate([[2] * (llm.max_len + 5)])
+  with pytest.raises(ValueError, match=rf"token id {v} is outside the vocabulary"):
+    llm.generate([[2, 5, v]])
+  with pytest.raises(ValueError, match=rf"stop_token_ids=.*\[0, {v}\)"):
+    llm.generate("hi", SamplingParams(stop_token_ids=[v + 3]))
+  with pytest.raises(ValueError, match="prompt 1: prompt is empty"):
+    llm.generate([[2, 3], []])
+  assert not llm.engine.has_unfinished()
+  out = llm.generate("Hello", SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=False)[0]
+  assert len(out.token_ids) == 3
+
+
+def test_stream_yields_the_same_text_as_generate(llm):
+  params = SamplingParams(max_tokens=16, temperature=0.0)
+  full = llm.generate("Write a haiku about the sea:", params, use_tqdm=False)[0]
+  deltas = list(llm.stream("Write a haiku about the sea:", params))
+  assert "".join(deltas) == full.text
+  assert len(deltas) > 1
+  m = llm.last_output.metrics
+  assert m.ttft_s > 0 and m.generated_tokens == len(full.token_ids) and m.prefill_s > 0 and m.decode_s > 0
+  assert len(m.inter_token_latencies) == m.generated_tokens - 1

@@ -1,0 +1,75 @@
+"""The embedded Gemma 3 270M against golden data from HF transformers (float32, same GGUF).
+
+Tolerances: every reference top-32 log-probability within 1e-3 absolute at every position; argmax
+equal wherever the reference's top-2 margin exceeds 1e-2. bfloat16 weights: top-1 agreement and
+mean KL to the float32 distribution over the reference's top-32, with stated bounds.
+"""
+
+import jax
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def log_softmax(x):
+  x = x - x.max(-1, keepdims=True)
+  return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+@pytest.fixture(scope="module")
+def f32_logprobs(llm, golden):
+  return {name: log_softmax(llm.logits(g["ids"].tolist()).astype(np.float64)) for name, g in golden.items()}
+
+
+def test_prompt_ids_match_reference_tokenizer(llm, golden):
+  for name, g in golden.items():
+    assert llm.tokenizer.encode(str(g["text"]), add_special_tokens=True) == g["ids"].tolist(), name
+
+
+def test_float32_top32_logprobs_match_reference(f32_logprobs, golden):
+  worst = 0.0
+  for name, g in golden.items():
+    lp = f32_logprobs[name]
+    got = np.take_along_axis(lp, g["top_ids"], axis=-1)
+    err = np.abs(got - g["top_logprobs"]).max()
+    worst = max(worst, err)
+    assert err < 1e-3, f"{name}: max |logprob error| {err:.2e} over top-32"
+  print(f"worst top-32 log-prob error: {worst:.2e}")
+
+
+def test_float32_argmax_matches_where_margin_is_clear(f32_logprobs, golden):
+  for name, g in golden.items():
+    margin = g["top_logprobs"][:, 0] - g["top_logprobs"][:, 1]
+    clear = margin > 1e-2
+    got = f32_logprobs[name].argmax(-1)
+    bad = np.nonzero(clear & (got != g["top_ids"][:, 0]))[0]
+    assert bad.size == 0, f"{name}: argmax differs at positions {bad[:10]}"
+
+
+def test_long_prompt_crosses_the_sliding_window(golden):
+  assert len(golden["long"]["ids"]) > 1000
+
+
+def test_bfloat16_weights_stay_close(llm_bf16, f32_logprobs, golden):
+  agree, total, kls = 0, 0, []
+  for name, g in golden.items():
+    ids = g["ids"].tolist()[:256]
+    lp16 = log_softmax(llm_bf16.logits(ids).astype(np.float64))
+    lp32 = f32_logprobs[name][:len(ids)]
+    agree += int((lp16.argmax(-1) == lp32.argmax(-1)).sum())
+    total += len(ids)
+    p32 = np.exp(lp32)
+    kls.append((p32 * (lp32 - lp16)).sum(-1))
+  top1 = agree / total
+  mean_kl = float(np.concatenate(kls).mean())
+  print(f"bfloat16 vs float32: top-1 agreement {top1:.3f}, mean KL {mean_kl:.4f} nats")
+  assert top1 > 0.97 and mean_kl < 0.01
+
+
+def test_logits_rejects_out_of_vocabulary_ids(llm):
+  v = llm.cfg.vocab_size
+  with pytest.raises(ValueError, match=rf"token id {v} .*\[0, {v}\)"):
+    llm.logits([2, 100, v])
+  with pytest.raises(ValueError, match="token id -1"):
+    llm.logits([-1])
