@@ -190,7 +190,8 @@ class Engine:
       want = np.bool_(any(s.req.params.logprobs is not None for _, s in running))
       c0, t0 = compiles.seconds(), time.perf_counter()
       self.state, out = self.programs.decode(self.params, self.state, active, want)
-      self._pending.append(("decode", out, running, t0, compiles.seconds() - c0))
+      rows = [(slot, slot, seq) for slot, seq in running]  # (row of the output, slot, sequence)
+      self._pending.append(("decode", out, rows, t0, compiles.seconds() - c0))
     updated: dict[str, _Request] = {r.id: r for r in self._aborted}
     self._aborted = []
     # Read back everything dispatched before this step; keep this step's in flight. When nothing
@@ -242,7 +243,7 @@ class Engine:
       stacked = jax.tree.map(lambda *xs: np.concatenate(xs), *rows)
       self.state = self._fork(self.state, np.int32(seq0.slot), np.array([s.slot for s in req.seqs[1:]], np.int32),
                               stacked, np.int32(req.prompt_ids[-1]))
-    self._pending.append(("prefill", out, [(seq0.slot, seq0)] if final else [], t0, compiles.seconds() - c0, n))
+    self._pending.append(("prefill", out, [(0, seq0.slot, seq0)] if final else [], t0, compiles.seconds() - c0, n))
     return n
 
   def _row_params(self, req: _Request, seq: _Seq) -> RowParams:
@@ -272,7 +273,7 @@ class Engine:
     self._last_ready = now
     self.stats["compile_s"] += compile_s
     self.stats[f"{kind}_s"] += busy
-    want_lp = any(s.req.params.logprobs is not None for _, s in rows)
+    want_lp = any(s.req.params.logprobs is not None for _, _, s in rows)
     if want_lp:
       lp, top_ids, top_lp = np.asarray(out.logprob), np.asarray(out.top_ids), np.asarray(out.top_logprobs)
     if kind == "prefill":
@@ -281,7 +282,7 @@ class Engine:
     else:
       self.stats["decode_steps"] += 1
     touched = []
-    for row, (slot, seq) in enumerate(rows):
+    for row, slot, seq in rows:
       if seq.done or seq.slot != slot:
         continue
       req = seq.req

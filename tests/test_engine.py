@@ -1,0 +1,162 @@
+"""The continuous-batching engine on tiny random models: batch invariance, slot reuse, n > 1,
+aborts, per-request errors, metrics and zero compilations after warm-up."""
+
+import random
+
+import numpy as np
+import pytest
+
+from conftest import ToyTokenizer, tiny_config, tiny_model
+from jaxgen import SamplingParams
+from jaxgen.decode import compiles
+from jaxgen.decode.engine import Engine
+
+
+def make_engine(slots=4, max_len=128, chunk=32, cfg=None):
+  cfg = cfg or tiny_config()
+  return Engine(tiny_model(cfg), ToyTokenizer(cfg.vocab_size), max_batch=slots, max_len=max_len, prefill_chunk=chunk)
+
+
+def run(engine, requests):
+  """requests: [(prompt ids, SamplingParams)] -> {index: RequestOutput}, added in the given order."""
+  ids = {engine.add_request(p, sp): i for i, (p, sp) in enumerate(requests)}
+  done = {}
+  while engine.has_unfinished():
+    for out in engine.step():
+      if out.finished:
+        done[ids[out.request_id]] = out
+  return done
+
+
+def eight_requests():
+  rng = np.random.default_rng(0)
+  variety = [dict(temperature=0.0), dict(temperature=1.0), dict(temperature=0.8, top_k=5),
+             dict(temperature=1.2, top_p=0.7), dict(temperature=1.0, min_p=0.1),
+             dict(temperature=0.9, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.3),
+             dict(temperature=1.0, logit_bias={7: 3.0, 8: -2.0}), dict(temperature=0.7, top_k=50, top_p=0.9)]
+  out = []
+  for i, kw in enumerate(variety):
+    prompt = rng.integers(3, 300, int(rng.integers(1, 70))).tolist()
+    out.append((prompt, SamplingParams(max_tokens=int(rng.integers(5, 25)), seed=100 + i, ignore_eos=True, **kw)))
+  return out
+
+
+def test_seeded_requests_are_batch_invariant():
+  reqs = eight_requests()
+  eng = make_engine(slots=4)
+  alone = {i: run(eng, [r])[0].token_ids for i, r in enumerate(reqs)}
+  together = {i: o.token_ids for i, o in run(eng, reqs).items()}
+  order = list(range(8))
+  random.Random(1).shuffle(order)
+  shuffled = {order[j]: o.token_ids for j, o in run(eng, [reqs[i] for i in order]).items()}
+  queued = {i: o.token_ids for i, o in run(make_engine(slots=2), reqs).items()}
+  for i in range(8):
+    assert len(alone[i]) == reqs[i][1].max_tokens
+    assert together[i] == alone[i], f"request {i} together"
+    assert shuffled[i] == alone[i], f"request {i} shuffled"
+    assert queued[i] == alone[i], f"request {i} with 2 slots"
+
+
+def test_freed_slots_are_reused_before_the_longest_request_ends():
+  lengths = [40, 3, 5, 2, 7, 3, 9, 4, 2, 6, 3, 5]
+  rng = np.random.default_rng(1)
+  reqs = [(rng.integers(3, 300, 10).tolist(), SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+          for n in lengths]
+  eng = make_engine(slots=4)
+  solo = {i: run(eng, [r])[0].token_ids for i, r in enumerate(reqs)}
+  outs = run(eng, reqs)
+  longest_end = outs[0].metrics.finished_time
+  for i in range(4, 12):
+    assert outs[i].metrics.scheduled_time < longest_end, f"request {i} waited for the longest one"
+    assert outs[i].metrics.queue_s > 0
+  for i in range(12):
+    assert outs[i].token_ids == solo[i] and len(outs[i].token_ids) == lengths[i]
+
+
+def test_n_samples_share_one_prefill():
+  eng = make_engine(slots=4)
+  prompt = list(range(3, 23))  # one prefill chunk
+  before = eng.stats["prefill_calls"]
+  out = run(eng, [(prompt, SamplingParams(n=3, max_tokens=12, temperature=1.0, seed=5, ignore_eos=True))])[0]
+  assert eng.stats["prefill_calls"] - before == 1
+  assert len(out.outputs) == 3 and [o.index for o in out.outputs] == [0, 1, 2]
+  assert len({tuple(o.token_ids) for o in out.outputs}) == 3
+  greedy = run(eng, [(prompt, SamplingParams(n=2, max_tokens=12, temperature=0.0, ignore_eos=True))])[0]
+  single = run(eng, [(prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))])[0]
+  assert greedy.outputs[0].token_ids == greedy.outputs[1].token_ids == single.token_ids
+
+
+def test_abort_reports_what_was_produced_and_frees_the_slot():
+  eng = make_engine(slots=1)
+  rid = eng.add_request(list(range(3, 20)), SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True))
+  other = eng.add_request([5, 6, 7], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+  seen = []
+  for _ in range(6):
+    seen += eng.step()
+  eng.abort(rid)
+  outs = {}
+  while eng.has_unfinished():
+    for o in eng.step():
+      outs[o.request_id] = o
+  assert outs[rid].finish_reason == "abort" and 0 < len(outs[rid].token_ids) < 100
+  assert outs[other].finish_reason == "length" and len(outs[other].token_ids) == 3
+
+
+def test_bad_request_is_rejected_alone():
+  eng = make_engine(slots=2, max_len=64)
+  reqs = eight_requests()[:3]
+  solo = {i: run(eng, [r])[0].token_ids for i, r in enumerate(reqs)}
+  ids = [eng.add_request(p, sp) for p, sp in reqs[:2]]
+  eng.step()
+  for bad, match in [(([3] * 64, SamplingParams()), "prompt has 64 tokens; the context limit is max_len=64"),
+                     (([3, 4], SamplingParams(n=3)), r"n=3 exceeds the engine's max_batch=2"),
+                     (([3, 4], SamplingParams(logit_bias={999: 1.0})), r"logit_bias=999 .*\[0, 300\)"),
+                     (([3, 400], SamplingParams()), r"token id 400 is outside the vocabulary \[0, 300\)")]:
+    with pytest.raises(ValueError, match=match):
+      eng.add_request(*bad)
+  with pytest.raises(ValueError, match=r"SamplingParams.logprobs=50"):
+    eng.add_request([3, 4], SamplingParams(logprobs=50))
+  ids.append(eng.add_request(*reqs[2]))
+  outs = {}
+  while eng.has_unfinished():
+    for o in eng.step():
+      outs[o.request_id] = o
+  assert [outs[r].token_ids for r in ids] == [solo[0], solo[1], solo[2]]
+
+
+def test_metrics_snapshot():
+  eng = make_engine(slots=2)
+  run(eng, eight_requests()[:4])
+  m = eng.metrics()
+  assert m["running"] == 0 and m["waiting"] == 0 and m["slots"] == 2
+  assert m["kv_cache_bytes_allocated"] == eng.spec.total_bytes(eng.cfg) > 0
+  assert m["prefill_tokens"] > 0 and m["decode_tokens"] > 0
+  assert m["prefill_tok_s"] > 0 and m["decode_tok_s"] > 0
+  eng.add_request([3, 4, 5], SamplingParams(max_tokens=50, ignore_eos=True))
+  eng.step()
+  eng.step()
+  m = eng.metrics()
+  assert m["running"] == 1 and 0 < m["kv_cache_bytes_in_use"] <= m["kv_cache_bytes_allocated"]
+  assert m["slot_occupancy"] == 0.5
+
+
+def test_nothing_compiles_after_warmup():
+  cfg = tiny_config(max_context=4096)
+  eng = make_engine(slots=4, max_len=3200, chunk=256, cfg=cfg)
+  eng.warmup()
+  before = compiles.count()
+  rng = random.Random(0)
+  pending = []
+  for i in range(100):
+    n = rng.choice([1, 2, 15, 16, 17, 100, 255, 256, 257, 600, 1500, 3000, rng.randint(1, 3000)])
+    kw = rng.choice([dict(temperature=0.0), dict(temperature=1.0, top_k=5, seed=i), dict(top_p=0.8, min_p=0.05),
+                     dict(repetition_penalty=1.2, logprobs=3), dict(n=2, temperature=0.5), dict(logit_bias={5: 2.0})])
+    rid = eng.add_request([rng.randint(3, 299) for _ in range(n)], SamplingParams(max_tokens=rng.randint(1, 6), **kw))
+    pending.append(rid)
+    if i % 7 == 3:
+      eng.abort(pending[rng.randrange(len(pending))])
+    if i % 3 == 0:
+      eng.step()
+  while eng.has_unfinished():
+    eng.step()
+  assert compiles.count() == before, f"{compiles.count() - before} programs compiled after warm-up"
