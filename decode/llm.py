@@ -11,6 +11,7 @@ from typing import Iterator, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from jaxgen.decode.cache import CacheSpec
 from jaxgen.decode.engine import Engine, buckets
@@ -27,9 +28,10 @@ class LLM:
 
   LLM() loads the embedded Gemma 3 270M; LLM("model.gguf", dtype="bfloat16") a given file.
   max_len: tokens per cache slot (prompt + output); max_batch: slots decoded together.
-  mesh: a `jaxgen.sharding.MeshConfig` (or a jax Mesh) to split the model over many devices: the
-  memory plan (`self.plan`) is checked before any weight is placed or program compiled, each device
-  receives only its shards, and max_batch must be a multiple of the data axis. Across several
+  mesh: a `jaxgen.sharding.MeshConfig` (or a jax Mesh) to split the model over many devices: each
+  device receives only its shards of the weights (a layout that cannot divide is refused before
+  any is placed), the memory plan (`self.plan`) is checked before the cache is allocated or any
+  program compiled, and max_batch must be a multiple of the data axis. Across several
   processes (`jaxgen.sharding.distributed.initialize`) every process makes the same calls; only
   process 0 gets outputs back (the others get empty lists and streams).
   """
@@ -46,14 +48,15 @@ class LLM:
     if dtype not in ("float32", "bfloat16", "float16"):
       raise ValueError(f"dtype={dtype!r} is not supported; use 'float32', 'bfloat16' or 'float16'")
     self.dtype = dtype
-    # With a mesh, weights stay on the host until the plan has been checked, then go out in shards.
-    place = None if mesh is None else rules.keep_on_host
-    self.cfg, self.model, self.tokenizer = load(model, dtype, place=place)
+    self.mesh = None if mesh is None else as_mesh(mesh)
+    self.cfg, self.model, self.tokenizer = load(model, dtype, mesh=self.mesh)
     self.max_len = min(max_len, self.cfg.max_context)
     cache_dtype = cache_dtype or ("float32" if jax.default_backend() == "cpu" else dtype)
-    self.mesh, self.plan, shardings = None, None, None
-    if mesh is not None:
-      shardings = self._shard(mesh, CacheSpec(slots=max_batch, max_len=self.max_len, dtype=cache_dtype))
+    self.plan, shardings = None, None
+    if self.mesh is not None:
+      spec = CacheSpec(slots=max_batch, max_len=self.max_len, dtype=cache_dtype)
+      self.plan = planner.plan(self.cfg, dtype, spec, self.mesh).check()
+      shardings = rules.engine_shardings(self.cfg, dtype, spec, self.mesh, nnx.state(self.model))
     self.load_s = time.perf_counter() - t0
     self.engine = Engine(self.model, self.tokenizer, max_batch=max_batch, max_len=self.max_len,
                          prefill_chunk=prefill_chunk, cache_dtype=cache_dtype, shardings=shardings)
@@ -64,15 +67,6 @@ class LLM:
       # Requests without a seed draw one on the host: every process must draw the same.
       self.engine._host_rng.seed(distributed.same_seed(self.engine._host_rng.getrandbits(64)))
     self._logits_fn = jax.jit(functools.partial(_uncached_logits, self.engine.graphdef), **logits_kw)
-
-  def _shard(self, mesh, spec: CacheSpec) -> dict:
-    """Plans (refusing what cannot divide or fit), places the weights in shards; returns the shardings."""
-    from flax import nnx
-
-    self.mesh = as_mesh(mesh)
-    self.plan = planner.plan(self.cfg, self.dtype, spec, self.mesh).check()
-    self.model = rules.place_model(self.model, rules.param_shardings(self.cfg, self.dtype, self.mesh))
-    return rules.engine_shardings(self.cfg, self.dtype, spec, self.mesh, nnx.state(self.model))
 
   # ------------------------------------------------------------------------------------- scoring
   def logits(self, token_ids: Sequence[int]) -> np.ndarray:
@@ -119,7 +113,7 @@ class LLM:
         eng.step()
       raise
     results: dict[str, RequestOutput] = {}
-    bar = _progress(len(ids)) if use_tqdm else None
+    bar = _progress(len(ids)) if use_tqdm and jax.process_index() == 0 else None
     while eng.has_unfinished():
       for out in eng.step():
         if out.finished and out.request_id in ids:
@@ -179,8 +173,6 @@ class LLM:
 
 
 def _uncached_logits(graphdef, params, tokens):
-  from flax import nnx
-
   model = nnx.merge(graphdef, params)
   positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
   hidden = model(tokens, positions)

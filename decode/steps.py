@@ -107,9 +107,12 @@ def prefill_logits(model, cache: kvc.KVCache, tokens, counts, slots, *, fresh: b
 
 def decode_logits(model, cache: kvc.KVCache, tokens, active, *, compute_dtype=jnp.float32):
   """Feeds tokens [B] to the active rows; returns (logits [B, V], cache, count [B] of tokens written)."""
-  max_len = max(layer.k.shape[1] for layer in cache.layers)
+  # Only full-context layers can run out of room; rings never do (a model whose every layer has a
+  # sliding window, e.g. Mistral, is bounded by the engine's max_len alone).
+  full = [layer.k.shape[1] for layer, kind in zip(cache.layers, model.cfg.layer_kinds) if kind != LOCAL]
   lengths = cache.lengths
-  count = (active & (lengths < max_len)).astype(jnp.int32)
+  count = (active & (lengths < min(full))) if full else active
+  count = count.astype(jnp.int32)
   hook = _CacheHook(model.cfg, cache, lengths, count, lengths[:, None], "decode")
   hidden = model(tokens[:, None], lengths[:, None], hook, compute_dtype=compute_dtype)
   return model.logits(hidden[:, 0]), kvc.KVCache(tuple(hook.layers), lengths + count), count

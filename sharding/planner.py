@@ -1,0 +1,135 @@
+"""The memory planner: bytes per device of weights, KV cache, sampler state and working set.
+
+Computed from the same specs and rules that place the arrays (`rules.param_shardings`,
+`rules.state_shardings`), before anything is allocated or compiled: a layout that cannot divide
+is refused by the rules (ValueError naming the axis and sizes), one that cannot fit by
+`Plan.check()`. Weights, cache and sampler state are exact (every device holds an equal shard);
+the working set is an estimate of the largest program's temporaries.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from jaxgen.sharding import rules
+from jaxgen.sharding.mesh import MeshConfig, as_mesh
+
+_MIB = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """Per-device bytes of one model + cache on one mesh. `capacity`: device memory, if known."""
+
+  mesh: dict[str, int]
+  weights: int
+  kv_cache: int
+  sampler: int
+  working_set: int
+  capacity: int | None = None
+  notes: tuple[str, ...] = ()
+
+  @property
+  def total(self) -> int:
+    return self.weights + self.kv_cache + self.sampler + self.working_set
+
+  def check(self) -> "Plan":
+    """Raises ValueError when the plan exceeds the device memory; returns self otherwise."""
+    if self.capacity is not None and self.total > self.capacity:
+      raise ValueError(
+          f"the model needs {_fmt(self.total)} per device on mesh {_mesh_str(self.mesh)} but a device has "
+          f"{_fmt(self.capacity)} (weights {_fmt(self.weights)}, KV cache {_fmt(self.kv_cache)}, sampler "
+          f"{_fmt(self.sampler)}, working set ~{_fmt(self.working_set)}); split the weights over a larger model "
+          "axis, the cache over a larger data axis, or lower max_batch / max_len, or use a 16-bit dtype")
+    return self
+
+  def __str__(self) -> str:
+    rows = [("weights", self.weights), ("KV cache", self.kv_cache), ("sampler state", self.sampler),
+            ("working set (est.)", self.working_set), ("total", self.total)]
+    if self.capacity is not None:
+      rows.append(("device memory", self.capacity))
+    n = 1
+    for s in self.mesh.values():
+      n *= s
+    lines = [f"memory per device, mesh {_mesh_str(self.mesh)} ({n} devices)"]
+    lines += [f"  {name:<20}{_fmt(b):>12}" for name, b in rows]
+    lines += [f"  note: {note}" for note in self.notes]
+    return "\n".join(lines)
+
+
+def plan(cfg, dtype, cache_spec, mesh: MeshConfig | Mesh, capacity: int | None = None) -> Plan:
+  """The plan for `cfg` weights in `dtype` and a cache of `cache_spec` on `mesh`.
+
+  `capacity` (bytes per device) defaults to what the first device reports (TPU/GPU; CPU reports
+  nothing, and then `check()` only refuses what cannot divide). Raises ValueError for a layout
+  that cannot divide; nothing is allocated or compiled.
+  """
+  from jaxgen.checkpoints.params import param_specs
+
+  mesh = as_mesh(mesh)
+  specs = param_specs(cfg, dtype)
+  p_sh = rules.param_shardings(cfg, dtype, mesh)
+  weights = sum(rules.shard_bytes(p_sh[name], shape, dt) for name, (shape, dt, _) in specs.items())
+  state_shapes, _ = rules.state_axes(cfg, cache_spec)
+  s_sh = rules.state_shardings(cfg, cache_spec, mesh)
+  nbytes = jax.tree.map(lambda s, sh: rules.shard_bytes(sh, s.shape, s.dtype), state_shapes, s_sh)
+  kv_cache = sum(jax.tree.leaves(nbytes.cache))
+  sampler = sum(jax.tree.leaves(nbytes.sampler))
+  sizes = dict(mesh.shape)
+  return Plan(sizes, weights, kv_cache, sampler, working_set(cfg, dtype, cache_spec, sizes),
+              _capacity(mesh) if capacity is None else capacity, _notes(cfg, sizes))
+
+
+def working_set(cfg, dtype, cache_spec, sizes: dict[str, int], prefill_chunk: int = 512) -> int:
+  """Estimated temporaries of the largest program (decode step or one prefill chunk), per device.
+
+  Decode: the sampler works on float32 [B, V] logits (a few copies). Prefill of T tokens:
+  activations [T, D + 2F/model + 3NH/model], attention scores [N/model, T, S + T] and logits [V].
+  Weights stored in 16 bits are upcast one matrix at a time on CPU: the largest shard in float32.
+  """
+  m = sizes["model"]
+  f32 = 4
+  b, v = cache_spec.slots, cfg.vocab_size
+  decode = 4 * b * v * f32
+  t = min(prefill_chunk, cache_spec.max_len)
+  heads = cfg.num_heads // m
+  acts = t * (4 * cfg.embed_dim + 2 * cfg.mlp_dim // m + 3 * heads * cfg.head_dim) * f32
+  scores = heads * t * (cache_spec.max_len + t) * f32
+  prefill = acts + scores + 4 * v * f32
+  upcast = 0
+  if jnp.dtype(dtype).itemsize < f32:
+    upcast = max(v * cfg.embed_dim // m, 2 * cfg.mlp_dim * cfg.embed_dim // m) * f32
+  return max(decode, prefill) + upcast
+
+
+def _notes(cfg, sizes: dict[str, int]) -> tuple[str, ...]:
+  notes = []
+  m = sizes["model"]
+  if m > 1 and cfg.num_kv_heads % m:
+    notes.append(f"kv_heads={cfg.num_kv_heads} does not divide model={m}: kv weights and the KV cache are "
+                 "replicated over 'model' (the cache is split by batch over 'data' only)")
+  return tuple(notes)
+
+
+def _capacity(mesh: Mesh) -> int | None:
+  device = mesh.devices.flat[0]
+  if device.process_index != jax.process_index():
+    device = next((d for d in mesh.devices.flat if d.process_index == jax.process_index()), device)
+  stats = device.memory_stats()  # None on CPU
+  return int(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
+
+
+def _fmt(n: int) -> str:
+  if n >= 1 << 30:
+    return f"{n / (1 << 30):.2f} GiB"
+  if n >= _MIB:
+    return f"{n / _MIB:.1f} MiB"
+  return f"{n / 1024:.1f} KiB"
+
+
+def _mesh_str(sizes: dict[str, int]) -> str:
+  return " x ".join(f"{k}={v}" for k, v in sizes.items())

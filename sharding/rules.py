@@ -1,0 +1,161 @@
+"""The one table from logical axes to mesh axes, and the shardings derived from it.
+
+Every parameter and state array names its dimensions with logical axes (`param_specs`,
+`CacheSpec.axes`); `RULES` says which mesh axis each logical axis is split over:
+
+  heads, mlp       -> model  Megatron tensor parallel: q, kv and gate_up split by output
+                             (column-parallel), o and down by input (row-parallel): one
+                             all-reduce per attention block and per MLP block
+  vocab            -> model  embedding table and logits split by vocabulary: no device holds [V, D]
+  kv_heads         -> model  only when K divides the model axis; otherwise the kv weights and the
+                             KV cache are replicated over `model` (multi-query: Gemma 3 270M, K=1)
+  batch,
+  cache_batch      -> data   slots (rows) split across `data`; a multi-query cache is thus split
+                             by batch only (Pope et al., "Efficiently Scaling Transformer Inference")
+  embed, head_dim,
+  seq, cache_seq   -> -      replicated (so is a dimension with no logical name)
+
+Divisibility is decided when shardings are built: a dimension that its mesh axis does not divide
+is a ValueError naming the array, the logical axis, the sizes and the sizes that would work.
+`kv_heads` is the one exception, listed in `REPLICATED_IF_INDIVISIBLE`.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxgen.sharding.mesh import MeshConfig, as_mesh
+
+RULES: dict[str, str | None] = {
+    "heads": "model",
+    "kv_heads": "model",
+    "mlp": "model",
+    "vocab": "model",
+    "batch": "data",
+    "cache_batch": "data",
+    "embed": None,
+    "head_dim": None,
+    "seq": None,
+    "cache_seq": None,
+}
+REPLICATED_IF_INDIVISIBLE = frozenset({"kv_heads"})
+
+_FIXES = {
+    "cache_batch": "make max_batch (the number of slots) a multiple of {size}, or use a data axis from {ok}",
+    "batch": "make the batch a multiple of {size}, or use a data axis from {ok}",
+}
+
+
+def partition_spec(name: str, shape: tuple[int, ...], axes: tuple[str | None, ...], mesh: Mesh) -> P:
+  """The PartitionSpec the rules give an array `name` of `shape` with logical `axes`."""
+  if len(axes) != len(shape):
+    raise ValueError(f"{name}: {len(axes)} logical axes {axes} for a {len(shape)}-d shape {shape}")
+  out, used = [], {}
+  for dim, logical in zip(shape, axes):
+    if logical is None:
+      out.append(None)
+      continue
+    if logical not in RULES:
+      raise ValueError(f"{name}: logical axis {logical!r} has no rule; known: {sorted(RULES)}")
+    target = RULES[logical]
+    if target is None:
+      out.append(None)
+      continue
+    size = mesh.shape[target]
+    if dim % size:
+      if logical in REPLICATED_IF_INDIVISIBLE:
+        out.append(None)
+        continue
+      ok = [s for s in range(1, mesh.size + 1) if dim % s == 0 and mesh.size % s == 0]
+      fix = _FIXES.get(logical, "use a {axis} axis from {ok}").format(size=size, ok=ok, axis=target)
+      raise ValueError(f"{name}: logical axis {logical!r} has size {dim}, which the mesh axis {target!r} of size "
+                       f"{size} does not divide; {fix}")
+    if target in used:
+      raise ValueError(f"{name}: logical axes {used[target]!r} and {logical!r} both map to mesh axis {target!r}")
+    used[target] = logical
+    out.append(target)
+  return P(*out)
+
+
+def named_sharding(name: str, shape, axes, mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, partition_spec(name, tuple(shape), tuple(axes), mesh))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, P())
+
+
+# ---------------------------------------------------------------------------------- parameters
+def param_shardings(cfg, dtype, mesh: Mesh | MeshConfig) -> dict[str, NamedSharding]:
+  """{parameter name: NamedSharding}, keyed like `jaxgen.checkpoints.params.param_specs`."""
+  from jaxgen.checkpoints.params import param_specs
+
+  mesh = as_mesh(mesh)
+  return {name: named_sharding(name, shape, axes, mesh) for name, (shape, _, axes) in param_specs(cfg, dtype).items()}
+
+
+def param_tree(params: nnx.State, shardings: Mapping[str, NamedSharding]) -> nnx.State:
+  """The model's parameter State with each array replaced by its sharding (for jit in/out_shardings)."""
+
+  def pick(path, _):
+    name = ".".join(str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey))
+    return shardings[name]
+
+  return jax.tree_util.tree_map_with_path(pick, params)
+
+
+def placer(shardings: Mapping[str, NamedSharding]):
+  """`place(name, host_array)` for `build_model`: every device receives only its own shard."""
+
+  def place(name: str, host):
+    sharding = shardings[name]
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+  return place
+
+
+# ------------------------------------------------------------------------------- decode state
+def state_axes(cfg, cache_spec):
+  """(shapes, axes): the decode state as ShapeDtypeStructs and, in the same tree, logical axes.
+
+  Cache arrays carry `CacheSpec.axes`; every sampler array leads with the slot axis (`cache_batch`).
+  """
+  from jaxgen.decode.steps import DecodeState, init_state
+
+  shapes = jax.eval_shape(lambda: init_state(cfg, cache_spec))
+  sampler_axes = jax.tree.map(lambda s: ("cache_batch",) + (None,) * (len(s.shape) - 1), shapes.sampler)
+  return shapes, DecodeState(cache_spec.axes(cfg), sampler_axes)
+
+
+def state_shardings(cfg, cache_spec, mesh: Mesh | MeshConfig):
+  """A `DecodeState` tree of NamedShardings for `init_state(cfg, cache_spec)`."""
+  mesh = as_mesh(mesh)
+  shapes, axes = state_axes(cfg, cache_spec)
+  paths = jax.tree_util.tree_flatten_with_path(shapes)[0]
+  names = iter(jax.tree_util.keystr(p, simple=True, separator=".") for p, _ in paths)
+  return jax.tree.map(lambda s, a: named_sharding(f"state.{next(names)}", s.shape, a, mesh), shapes, axes)
+
+
+def engine_shardings(cfg, dtype, cache_spec, mesh: Mesh | MeshConfig, params: nnx.State) -> dict:
+  """{'params': State of shardings, 'state': DecodeState of shardings}: what `Engine(shardings=)` takes."""
+  mesh = as_mesh(mesh)
+  return {"params": param_tree(params, param_shardings(cfg, dtype, mesh)),
+          "state": state_shardings(cfg, cache_spec, mesh)}
+
+
+def shard_shape(sharding: NamedSharding, shape) -> tuple[int, ...]:
+  """Shape of one device's shard."""
+  return tuple(sharding.shard_shape(tuple(shape)))
+
+
+def shard_bytes(sharding: NamedSharding, shape, dtype) -> int:
+  n = 1
+  for d in shard_shape(sharding, shape):
+    n *= d
+  return n * jnp.dtype(dtype).itemsize
+

@@ -1,0 +1,391 @@
+"""Sharded == single device, on 8 simulated CPU devices in a subprocess (the rest of the session keeps 1).
+
+The worker (this file run as a script) builds every configuration, generates and measures, and
+prints one JSON object; the tests below assert on it. Layout expectations are written out here,
+independently of `jaxgen.sharding.rules`, so a wrong rule cannot agree with itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+MESHES = [(1, 8), (2, 4), (4, 2), (8, 1)]
+EMBEDDED_MESH = (2, 4)  # Gemma 3 270M: N=4 divides model=4; K=1 does not (kv replicated)
+PROMPTS = [[5, 17, 99, 3, 250], [7, 7, 7], [1000, 2, 4095, 8, 16, 300, 11]]
+SCORED = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46]
+
+
+def run_worker(mode: str, timeout: int) -> dict:
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+  proc = subprocess.run([sys.executable, __file__, mode], env=env, capture_output=True, text=True, timeout=timeout)
+  if proc.returncode != 0:
+    raise AssertionError(f"worker {mode} failed (rc={proc.returncode}):\n{proc.stderr[-6000:]}")
+  return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def tiny():
+  return run_worker("tiny", timeout=400)
+
+
+# ------------------------------------------------------------------------------------ the tests
+@pytest.mark.parametrize("mesh", MESHES, ids=lambda m: f"data{m[0]}-model{m[1]}")
+def test_tokens_and_logits_match_one_device(tiny, mesh):
+  got = tiny["meshes"][f"{mesh[0]}x{mesh[1]}"]
+  assert got["tokens"] == tiny["reference"]["tokens"]
+  assert got["logits_max_abs_diff"] <= 1e-4
+  assert got["sampled"] == tiny["reference"]["sampled"]  # seeded sampling, n=2 (cache rows forked)
+  assert got["logprobs_max_abs_diff"] <= 1e-4
+
+
+@pytest.mark.parametrize("mesh", MESHES, ids=lambda m: f"data{m[0]}-model{m[1]}")
+def test_parameters_and_state_are_placed_as_the_rules_say(tiny, mesh):
+  got = tiny["meshes"][f"{mesh[0]}x{mesh[1]}"]
+  assert got["layout_mismatches"] == []
+  assert got["checked_arrays"] > 20
+
+
+@pytest.mark.parametrize("mesh", MESHES, ids=lambda m: f"data{m[0]}-model{m[1]}")
+def test_decode_program_gathers_no_weight_matrix(tiny, mesh):
+  got = tiny["meshes"][f"{mesh[0]}x{mesh[1]}"]
+  assert got["weight_gathers"] == []
+
+
+def test_weight_gather_detector_sees_a_gathered_weight(tiny):
+  # The same check applied to a program that replicates the embedding must flag it.
+  assert tiny["control_weight_gathers"], "the HLO check would not notice a gathered weight"
+
+
+@pytest.mark.parametrize("mesh", MESHES, ids=lambda m: f"data{m[0]}-model{m[1]}")
+def test_planner_matches_allocated_bytes(tiny, mesh):
+  got = tiny["meshes"][f"{mesh[0]}x{mesh[1]}"]
+  for part in ("weights", "kv_cache", "sampler"):
+    planned, allocated = got["plan"][part], got["allocated"][part]
+    assert abs(planned - allocated) <= 0.05 * allocated, (part, planned, allocated)
+  assert "weights" in got["plan_text"] and "KV cache" in got["plan_text"]
+
+
+def test_bad_meshes_are_clear_errors_before_any_compile(tiny):
+  errors = tiny["errors"]
+  assert re.search(r"needs 16 devices but only 8", errors["too_large"])
+  assert re.search(r"unknown mesh axis 'tensor'.*\['data', 'model'\]", errors["unknown_axis_parse"])
+  assert re.search(r"unknown mesh axis 'expert'", errors["unknown_axis_kw"])
+  assert re.search(r"'heads' has size 6.*'model' of size 4", errors["heads_do_not_divide"])
+  assert re.search(r"'mlp' has size 100.*'model' of size 8", errors["mlp_do_not_divide"])
+  assert re.search(r"'cache_batch' has size 6.*'data' of size 4.*max_batch", errors["slots_do_not_divide"])
+  assert re.search(r"needs .* per device .* a device has", errors["does_not_fit"])
+  assert tiny["compiles_during_errors"] == 0
+
+
+def test_mqa_kv_heads_replicate_instead_of_failing(tiny):
+  # K=2 does not divide model=4: kv weights and cache are replicated over model, the rest still splits.
+  got = tiny["mqa"]
+  assert got["kv_spec"] == [None, None, None, None]
+  assert got["cache_spec"] == ["data", None, None, None]
+  assert got["q_spec"] == ["model", None, None]
+  assert got["logits_max_abs_diff"] <= 1e-4
+
+
+@pytest.mark.slow
+def test_embedded_model_sharded_matches_one_device():
+  got = run_worker("embedded", timeout=600)
+  assert got["tokens"] == got["reference_tokens"]
+  assert got["logits_max_abs_diff"] <= 1e-4
+  assert got["layout_mismatches"] == []
+  assert got["weight_gathers"] == []
+  assert got["shard_shapes"]["embed"] == [262144 // EMBEDDED_MESH[1], 640]
+  assert got["shard_shapes"]["layers.0.kv"] == [1, 2, 256, 640]  # K=1: replicated
+
+
+# ------------------------------------------------------------------------------------ the worker
+# Expected placement by parameter kind, for a config whose K divides the model axis
+# (kv_replicated=True: K does not divide, so kv is replicated).
+def expected_spec(name: str, ndim: int, kv_replicated: bool):
+  leaf = name.split(".")[-1]
+  table = {
+      "embed": ("model", None), "unembed": ("model", None),
+      "q": ("model", None, None), "o": (None, "model", None),
+      "kv": (None if kv_replicated else "model", None, None, None),
+      "gate_up": ("model", None, None), "down": (None, "model"),
+  }
+  return table.get(leaf, (None,) * ndim)
+
+
+def _tiny_cfg(heads=8, kv_heads=8, mlp=96):
+  from jaxgen.model.config import GLOBAL, LOCAL, ModelConfig
+
+  return ModelConfig(family="gemma3", vocab_size=8192, embed_dim=40, num_layers=2, num_heads=heads,
+                     num_kv_heads=kv_heads, head_dim=16, mlp_dim=mlp, max_context=256, norm_offset=1.0,
+                     sliding_window=8, layer_kinds=(LOCAL, GLOBAL), embed_scale=True, activation="gelu_tanh",
+                     qk_norm=True, sandwich_norm=True, tie_embeddings=False)
+
+
+class FakeTokenizer:
+  stop_ids = frozenset({1})
+
+  def encode(self, text, add_special_tokens=True):
+    return [2 + (ord(c) % 50) for c in text]
+
+  def decode(self, ids, skip_special_tokens=True):
+    return "".join(chr(97 + i % 26) for i in ids)
+
+
+def _use_tiny_model(cfg):
+  """Makes `load(None)` return a random model of `cfg`, built like the real loader builds one."""
+  import numpy as np
+
+  import jaxgen.checkpoints.load as load_mod
+  from jaxgen.checkpoints.params import build_model, param_specs
+  from jaxgen.sharding import rules
+
+  rng = np.random.default_rng(0)
+  # Unit-scale (un)embeddings spread the logits, so greedy choices are far from ties.
+  arrays = {name: ((1.0 if name in ("embed", "unembed") else 0.05) * rng.standard_normal(shape)).astype(np.float32)
+            for name, (shape, _, _) in param_specs(cfg, "float32").items()}
+
+  def fake_load(path, dtype="float32", place=None, mesh=None):
+    if place is None and mesh is not None:
+      place = rules.placer(rules.param_shardings(cfg, dtype, mesh))
+    return cfg, build_model(cfg, arrays, dtype, source="tiny", place=place), FakeTokenizer()
+
+  load_mod.load = fake_load
+
+
+def weight_gathers(hlo: str, weight_sizes: dict[str, int]) -> list[str]:
+  """All-gathers in compiled HLO whose result is as large as a whole weight matrix."""
+  found = []
+  for line in hlo.splitlines():
+    m = re.match(r"\s*(?:ROOT )?%\S+ = (.*?) all-gather(?:-start)?\(", line)
+    if not m:
+      continue
+    for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", m.group(1)):
+      n = 1
+      for d in filter(None, dims.split(",")):
+        n *= int(d)
+      hits = [w for w, size in weight_sizes.items() if n == size]
+      if hits:
+        found.append(f"{dtype}[{dims}] = {hits}")
+  return found
+
+
+def _greedy(llm, prompts, max_tokens=10):
+  from jaxgen import SamplingParams
+
+  outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=5, ignore_eos=True),
+                      use_tqdm=False)
+  tokens = [o.outputs[0].token_ids for o in outs]
+  logprobs = [[lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)] for o in outs]
+  return tokens, logprobs
+
+
+def _spec(arr) -> tuple:
+  """The array's PartitionSpec as a tuple with one entry per dimension."""
+  spec = tuple(arr.sharding.spec)
+  return spec + (None,) * (arr.ndim - len(spec))
+
+
+def _sampled(llm):
+  """Two seeded samples per prompt (the second forks the first's cache rows)."""
+  from jaxgen import SamplingParams
+
+  params = SamplingParams(n=2, max_tokens=6, temperature=0.8, top_k=50, seed=7, ignore_eos=True)
+  return [[c.token_ids for c in o.outputs] for o in llm.generate(PROMPTS[:2], params, use_tqdm=False)]
+
+
+def _layout(llm, kv_replicated: bool):
+  """Mismatches between each array's placement and the expectation written above."""
+  import jax
+  from flax import nnx
+
+  from jaxgen.checkpoints.params import path_str
+
+  mesh = llm.mesh
+  bad, n = [], 0
+  for path, var in nnx.to_flat_state(nnx.state(llm.model)):
+    name, arr = path_str(path), var.get_value()
+    spec = expected_spec(name, arr.ndim, kv_replicated)
+    got = _spec(arr)
+    shard = tuple(d // (mesh.shape[a] if a else 1) for d, a in zip(arr.shape, spec))
+    n += 1
+    if got != spec or any(s.data.shape != shard for s in arr.addressable_shards):
+      bad.append(f"{name}: spec {got} shard {arr.addressable_shards[0].data.shape}, expected {spec} {shard}")
+  state = llm.engine.state
+  kv_axis = None if kv_replicated else "model"
+  for i, layer in enumerate(state.cache.layers):
+    for arr in (layer.k, layer.v):
+      n += 1
+      if _spec(arr) != ("data", None, kv_axis, None):
+        bad.append(f"cache layer {i}: {arr.sharding.spec}")
+  for path, arr in jax.tree_util.tree_flatten_with_path(state.sampler)[0]:
+    n += 1
+    if _spec(arr) != ("data",) + (None,) * (arr.ndim - 1):
+      bad.append(f"sampler{jax.tree_util.keystr(path)}: {arr.sharding.spec}")
+  return bad, n
+
+
+def _device0_bytes(tree) -> int:
+  import jax
+
+  total = 0
+  for arr in jax.tree.leaves(tree):
+    total += sum(s.data.nbytes for s in arr.addressable_shards if s.device == jax.devices()[0])
+  return total
+
+
+def _decode_hlo(llm) -> str:
+  import numpy as np
+
+  eng = llm.engine
+  active = np.zeros(len(eng.slots), np.bool_)
+  return eng.programs.decode.lower(eng.params, eng.state, active, np.bool_(False)).compile().as_text()
+
+
+def _weight_sizes(cfg) -> dict[str, int]:
+  from jaxgen.checkpoints.params import param_specs
+
+  out = {}
+  for name, (shape, _, _) in param_specs(cfg, "float32").items():
+    if len(shape) >= 2:
+      n = 1
+      for d in shape:
+        n *= d
+      out[name.split(".")[-1]] = n
+  return out
+
+
+def worker_tiny() -> dict:
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from jaxgen import LLM
+  from jaxgen.decode import compiles
+  from jaxgen.decode.cache import CacheSpec
+  from jaxgen.sharding import planner
+  from jaxgen.sharding.mesh import MeshConfig
+
+  assert jax.device_count() == 8
+  cfg = _tiny_cfg()
+  _use_tiny_model(cfg)
+  kw = dict(max_len=64, max_batch=8, prefill_chunk=16)
+  ref = LLM(None, **kw)
+  ref_tokens, ref_lp = _greedy(ref, PROMPTS)
+  ref_logits = ref.logits(SCORED)
+  result = {"reference": {"tokens": ref_tokens, "sampled": _sampled(ref)}, "meshes": {}}
+  sizes = _weight_sizes(cfg)
+  llms = {}
+  for d, m in MESHES:
+    llm = llms[d, m] = LLM(None, mesh=MeshConfig(data=d, model=m), **kw)
+    tokens, lp = _greedy(llm, PROMPTS)
+    bad, n = _layout(llm, kv_replicated=False)
+    hlo = _decode_hlo(llm)
+    plan = llm.plan
+    result["meshes"][f"{d}x{m}"] = {
+        "tokens": tokens, "sampled": _sampled(llm),
+        "logits_max_abs_diff": float(np.max(np.abs(llm.logits(SCORED) - ref_logits))),
+        "logprobs_max_abs_diff": max(abs(a - b) for x, y in zip(lp, ref_lp) for a, b in zip(x, y)),
+        "layout_mismatches": bad, "checked_arrays": n,
+        "weight_gathers": weight_gathers(hlo, sizes),
+        "plan": {"weights": plan.weights, "kv_cache": plan.kv_cache, "sampler": plan.sampler},
+        "allocated": {"weights": _device0_bytes(llm.engine.params), "kv_cache": _device0_bytes(llm.engine.state.cache),
+                      "sampler": _device0_bytes(llm.engine.state.sampler)},
+        "plan_text": str(plan),
+    }
+
+  # The detector, on a program that gathers the vocabulary-split embedding on purpose.
+  llm = llms[2, 4]
+  params = llm.engine.params
+  replicate = jax.sharding.NamedSharding(llm.mesh, jax.sharding.PartitionSpec())
+  gathered = jax.jit(lambda p: jax.lax.with_sharding_constraint(p["embed"][...], replicate) * 2)
+  result["control_weight_gathers"] = weight_gathers(gathered.lower(params).compile().as_text(), sizes)
+
+  # Bad input: each a ValueError, and nothing compiles on the way.
+  errors = {}
+  _use_tiny_model(_tiny_cfg(heads=6, kv_heads=2))
+  before = compiles.count()
+  attempts = {
+      "too_large": lambda: MeshConfig(data=16).build(),
+      "unknown_axis_parse": lambda: MeshConfig.parse("data=2,tensor=4"),
+      "unknown_axis_kw": lambda: MeshConfig.from_sizes(data=2, expert=4),
+      "heads_do_not_divide": lambda: LLM(None, mesh=MeshConfig(data=2, model=4), **kw),
+      "mlp_do_not_divide": lambda: planner.plan(_tiny_cfg(mlp=100), jnp.float32, llm.engine.spec, MeshConfig(data=1)),
+      "slots_do_not_divide": lambda: planner.plan(cfg, jnp.float32, CacheSpec(6, 64), MeshConfig(data=4)),
+      "does_not_fit": lambda: planner.plan(cfg, jnp.float32, llm.engine.spec, MeshConfig(data=2),
+                                           capacity=1 << 16).check(),
+  }
+  for key, attempt in attempts.items():
+    try:
+      attempt()
+      errors[key] = "no error"
+    except ValueError as e:
+      errors[key] = str(e)
+  result["errors"] = errors
+  result["compiles_during_errors"] = compiles.count() - before
+
+  # Grouped/multi-query: K=2 on model=4 replicates kv (weights and cache), splits everything else.
+  mqa = _tiny_cfg(heads=8, kv_heads=2)
+  _use_tiny_model(mqa)
+  ref = LLM(None, **kw)
+  llm = LLM(None, mesh=MeshConfig(data=2, model=4), **kw)
+  result["mqa"] = {
+      "kv_spec": list(_spec(llm.model.layers[0].kv[...])), "q_spec": list(_spec(llm.model.layers[0].q[...])),
+      "cache_spec": list(_spec(llm.engine.state.cache.layers[0].k)),
+      "logits_max_abs_diff": float(np.max(np.abs(llm.logits(SCORED) - ref.logits(SCORED)))),
+  }
+  return result
+
+
+def worker_embedded() -> dict:
+  import jax
+  import numpy as np
+  from flax import nnx
+
+  from jaxgen import LLM
+  from jaxgen.decode.engine import Engine
+  from jaxgen.decode.llm import _uncached_logits
+  from jaxgen.sharding.mesh import MeshConfig
+
+  d, m = EMBEDDED_MESH
+  kw = dict(max_len=64, max_batch=2, prefill_chunk=16)
+  llm = LLM(None, mesh=MeshConfig(data=d, model=m), **kw)
+  prompts = ["The capital of France is", "def fibonacci(n):"]
+  tokens, _ = _greedy(llm, prompts, max_tokens=8)
+  ids = llm.tokenizer.encode("Sharding splits every weight matrix across devices.", add_special_tokens=True)
+  logits = llm.logits(ids)
+  bad, _ = _layout(llm, kv_replicated=True)
+  hlo = _decode_hlo(llm)
+  shard_shapes = {name: list(llm.model.layers[0].kv[...].addressable_shards[0].data.shape) if name != "embed"
+                  else list(llm.model.embed[...].addressable_shards[0].data.shape) for name in ("embed", "layers.0.kv")}
+
+  # One device, same weights (gathered back to the host), same engine settings.
+  graphdef, state = nnx.split(llm.model)
+  one = nnx.merge(graphdef, jax.tree.map(lambda a: jax.device_put(np.asarray(a), jax.devices()[0]), state))
+  eng = Engine(one, llm.tokenizer, max_batch=2, max_len=64, prefill_chunk=16, cache_dtype="float32")
+  from jaxgen import SamplingParams
+
+  rids = [eng.add_request(p, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)) for p in prompts]
+  done = {}
+  while eng.has_unfinished():
+    for out in eng.step():
+      if out.finished:
+        done[out.request_id] = out.outputs[0].token_ids
+  ref_logits = np.asarray(jax.jit(_uncached_logits, static_argnums=0)(eng.graphdef, eng.params,
+                                                                      np.asarray([ids + [0] * (16 - len(ids) % 16)],
+                                                                                 np.int32)))[0, :len(ids)]
+  return {
+      "tokens": tokens, "reference_tokens": [done[r] for r in rids],
+      "logits_max_abs_diff": float(np.max(np.abs(logits - ref_logits))),
+      "layout_mismatches": bad, "weight_gathers": weight_gathers(hlo, _weight_sizes(llm.cfg)),
+      "shard_shapes": shard_shapes, "plan": str(llm.plan),
+  }
+
+
+if __name__ == "__main__":
+  out = {"tiny": worker_tiny, "embedded": worker_embedded}[sys.argv[1]]()
+  print(json.dumps(out))
