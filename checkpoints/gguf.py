@@ -82,12 +82,15 @@ def _jaxgen_name(name: str) -> str | None:
   return None
 
 
-def fuse(cfg: ModelConfig, tensors: dict[str, np.ndarray], source: str) -> dict[str, np.ndarray]:
+def fuse(cfg: ModelConfig, tensors: dict[str, np.ndarray], source: str,
+         names: dict[str, str] | None = None) -> dict[str, np.ndarray]:
   """Separate q/k/v/o/gate/up/down matrices ([out, in]) -> jaxgen's fused, head-shaped layout.
 
   Takes names "layers.{i}.{q,k,v,o,gate,up,...}" and returns "layers.{i}.{q,kv,o,gate_up,...}".
-  Shapes are checked here so a wrong tensor is named in the error.
+  Shapes are checked here so a wrong tensor is named in the error (by its name in the source
+  file when `names` maps jaxgen names to those).
   """
+  names = names or {}
   d, n, k, h, f = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim
   want = {"q": (n * h, d), "k": (k * h, d), "v": (k * h, d), "o": (d, n * h), "gate": (f, d), "up": (f, d),
           "down": (d, f), "q_bias": (n * h,), "k_bias": (k * h,), "v_bias": (k * h,)}
@@ -95,7 +98,7 @@ def fuse(cfg: ModelConfig, tensors: dict[str, np.ndarray], source: str) -> dict[
   for name, w in tensors.items():
     leaf = name.rsplit(".", 1)[-1]
     if leaf in want and tuple(w.shape) != want[leaf]:
-      raise ValueError(f"{source}: tensor {name} has shape {tuple(w.shape)}, expected {want[leaf]}")
+      raise ValueError(f"{source}: tensor {names.get(name, name)} has shape {tuple(w.shape)}, expected {want[leaf]}")
     if leaf not in ("q", "k", "v", "o", "gate", "up", "q_bias", "k_bias", "v_bias"):
       out[name] = w
   for i in range(cfg.num_layers):
@@ -113,8 +116,11 @@ def fuse(cfg: ModelConfig, tensors: dict[str, np.ndarray], source: str) -> dict[
   return out
 
 
-def read_gguf(path: str) -> tuple[ModelConfig, dict[str, np.ndarray], object]:
-  """Returns (config, {jaxgen name: float32 ndarray}, reader). Tensors are dequantized on the host."""
+def read_gguf(path: str, progress=None) -> tuple[ModelConfig, dict[str, np.ndarray], object]:
+  """Returns (config, {jaxgen name: float32 ndarray}, reader). Tensors are dequantized on the host.
+
+  `progress(n)`, when given, is called after each tensor (for a progress bar over `reader.tensors`).
+  """
   import gguf
 
   reader = _open(path)
@@ -141,4 +147,6 @@ def read_gguf(path: str) -> tuple[ModelConfig, dict[str, np.ndarray], object]:
       heads = cfg.num_heads if name.endswith(".q") else cfg.num_kv_heads
       w = _unpermute_rope(w, heads)
     arrays[name] = w
+    if progress is not None:
+      progress(1)
   return cfg, fuse(cfg, arrays, repr(path)), reader

@@ -37,6 +37,9 @@ class ModelConfig:
   rope_base: float = 10_000.0  # global (full-attention) layers
   rope_base_local: float = 10_000.0  # sliding-window layers
   rope_scale: float = 1.0  # linear position scaling on global layers (Gemma 3 4B+ use 8)
+  # Llama 3.1+ frequency scaling on global layers: (factor, low_freq_factor, high_freq_factor,
+  # original context length); None: plain RoPE. See `layers.llama3_frequencies`.
+  rope_llama3: tuple[float, float, float, int] | None = None
   sliding_window: int | None = None  # W; None: every layer attends to the whole context
   layer_kinds: tuple[str, ...] = ()  # GLOBAL or LOCAL per layer
   query_scale: float = 0.0  # multiplies q; 0.0 means 1/sqrt(H)

@@ -28,13 +28,31 @@ def gelu_tanh(x: jax.Array) -> jax.Array:
 ACTIVATIONS = {"gelu_tanh": gelu_tanh, "silu": jax.nn.silu}
 
 
-def rope(x: jax.Array, positions: jax.Array, base: float, scale: float = 1.0) -> jax.Array:
+def llama3_frequencies(inv_freq: jax.Array, factor: float, low_freq_factor: float, high_freq_factor: float,
+                       original_context: int) -> jax.Array:
+  """Llama 3.1's RoPE scaling: long wavelengths slowed by `factor`, short ones kept, a blend between.
+
+  A wavelength above original_context / low_freq_factor is divided by `factor`; one below
+  original_context / high_freq_factor is unchanged; in between the frequency interpolates linearly
+  in original_context / wavelength from the scaled to the unscaled value.
+  """
+  wavelen = 2 * jnp.pi / inv_freq
+  ratio = original_context / wavelen  # how many wavelengths fit in the original context
+  blend = jnp.clip((ratio - low_freq_factor) / (high_freq_factor - low_freq_factor), 0.0, 1.0)
+  return (1 - blend) * inv_freq / factor + blend * inv_freq
+
+
+def rope(x: jax.Array, positions: jax.Array, base: float, scale: float = 1.0,
+         llama3: tuple[float, float, float, int] | None = None) -> jax.Array:
   """Rotary embedding in the rotate-half layout (first and second halves of H are the pairs).
 
-  x: [B, T, N, H]; positions: [B, T] (int). `scale` divides positions (linear scaling).
+  x: [B, T, N, H]; positions: [B, T] (int). `scale` divides positions (linear scaling); `llama3`
+  rescales the frequencies (`llama3_frequencies` arguments after `inv_freq`).
   """
   h = x.shape[-1]
   inv_freq = 1.0 / (base ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))  # [H/2]
+  if llama3 is not None:
+    inv_freq = llama3_frequencies(inv_freq, *llama3)
   angles = positions.astype(jnp.float32)[..., None] / scale * inv_freq  # [B, T, H/2]
   sin, cos = jnp.sin(angles)[:, :, None, :], jnp.cos(angles)[:, :, None, :]  # [B, T, 1, H/2]
   x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)

@@ -77,8 +77,9 @@ class Block(nnx.Module):
     local = self.kind == LOCAL
     base = cfg.rope_base_local if local else cfg.rope_base
     scale = 1.0 if local else cfg.rope_scale
-    q = L.rope(q, positions, base, scale) * jnp.asarray(cfg.q_scale, x.dtype)
-    k = L.rope(k, positions, base, scale)
+    llama3 = None if local else cfg.rope_llama3
+    q = L.rope(q, positions, base, scale, llama3) * jnp.asarray(cfg.q_scale, x.dtype)
+    k = L.rope(k, positions, base, scale, llama3)
     return q, k, v
 
   def __call__(self, x: jax.Array, positions: jax.Array, kv_hook=None):
