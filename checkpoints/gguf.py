@@ -130,6 +130,7 @@ def read_gguf(path: str, progress=None) -> tuple[ModelConfig, dict[str, np.ndarr
   if "output.weight" in names:
     cfg = dataclasses.replace(cfg, tie_embeddings=False)
   arrays: dict[str, np.ndarray] = {}
+  source_names: dict[str, str] = {}
   for t in reader.tensors:
     name = _jaxgen_name(t.name)
     if name is None:
@@ -143,10 +144,11 @@ def read_gguf(path: str, progress=None) -> tuple[ModelConfig, dict[str, np.ndarr
     w = w.reshape(tuple(int(d) for d in reversed(t.shape)))  # numpy order: [out, in]
     if cfg.norm_offset and name.endswith("norm"):
       w = w - np.float32(cfg.norm_offset)
-    if cfg.family in _PERMUTED_QK and name.endswith((".q", ".k")):
-      heads = cfg.num_heads if name.endswith(".q") else cfg.num_kv_heads
-      w = _unpermute_rope(w, heads)
+    heads = cfg.num_heads if name.endswith(".q") else cfg.num_kv_heads
+    if cfg.family in _PERMUTED_QK and name.endswith((".q", ".k")) and w.shape[0] == heads * cfg.head_dim:
+      w = _unpermute_rope(w, heads)  # (a wrong shape is reported by fuse, by the file's tensor name)
     arrays[name] = w
+    source_names[name] = t.name
     if progress is not None:
       progress(1)
-  return cfg, fuse(cfg, arrays, repr(path)), reader
+  return cfg, fuse(cfg, arrays, repr(path), source_names), reader
