@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
+DEFAULT_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "jaxgen", "xla")
 DEFAULT_PROMPT = "The three most important ideas in computer science are"
 
 
@@ -18,6 +20,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--model", default=None, help="GGUF file, HF directory or orbax directory (default: embedded Gemma 3 270M)")
   p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
   p.add_argument("--max-len", type=int, default=2048, help="tokens per cache slot (prompt + output)")
+  p.add_argument("--compilation-cache", default=os.environ.get("JAXGEN_COMPILATION_CACHE", DEFAULT_CACHE_DIR),
+                 help="JAX's persistent compilation cache directory ('' disables): a second start skips compiling")
   p.add_argument("--max-batch", type=int, default=1, help="cache slots decoded together")
   p.add_argument("--mesh", default=None, metavar="data=D,model=M",
                  help="split the model over devices: 'model' splits the weights, 'data' the slots; -1 = the rest")
@@ -76,7 +80,8 @@ def cmd_generate(a) -> int:
   import jax
 
   t0 = time.perf_counter()
-  llm = LLM(a.model, dtype=a.dtype, max_len=a.max_len, max_batch=a.max_batch, mesh=_mesh(a))
+  llm = LLM(a.model, dtype=a.dtype, max_len=a.max_len, max_batch=a.max_batch, mesh=_mesh(a),
+            compilation_cache_dir=a.compilation_cache or None)
   load_s = time.perf_counter() - t0
   main_process = jax.process_index() == 0
   if llm.plan is not None and main_process and not a.quiet:
@@ -95,7 +100,10 @@ def cmd_generate(a) -> int:
                           metrics=out.metrics.as_dict(), load_s=load_s, warmup_s=warm_s, wall_s=wall)))
     return 0
   if not a.quiet:
-    print(f"# loaded in {load_s:.1f} s, compiled in {warm_s:.1f} s", file=sys.stderr)
+    spec = llm.engine.spec
+    print(f"# loaded in {load_s:.1f} s, warm-up (compile or compilation-cache hits) {warm_s:.1f} s; KV cache "
+          f"{spec.total_bytes(llm.cfg) / 2**20:.0f} MiB: {spec.bytes_per_slot(llm.cfg) / 2**20:.1f} MiB per slot, "
+          f"{spec.bytes_per_token(llm.cfg) / 1024:.1f} KiB per token", file=sys.stderr)
   sys.stdout.write(prompt)
   for delta in llm.stream(prompt, params):
     sys.stdout.write(delta)

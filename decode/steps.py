@@ -58,9 +58,9 @@ class _CacheHook:
   """The kv_hook that stores each layer's new keys/values in the cache rows and says what to attend.
 
   mode "fresh": rows start empty; attend only within the chunk (causal).
-  mode "chunk": attend to what the rows held before (all T new tokens come after it), then write.
-  mode "decode" (T = 1): write first, then attend over the cache alone: the ring entry a write
-  replaces is exactly W positions back, outside the query's window, so nothing needed is lost.
+  mode "chunk": attend to what the rows held before plus the new tokens, as two blocks of keys
+  (the cache is read where it lies, never concatenated).
+  mode "decode" (T = 1): write, then attend over the cache alone.
   """
 
   def __init__(self, cfg: ModelConfig, rows: kvc.KVCache, start, counts, positions, mode: str):
@@ -70,18 +70,18 @@ class _CacheHook:
   def __call__(self, i, k, v):
     layer = self.rows.layers[i]
     ring = self.cfg.layer_kinds[i] == LOCAL
-    size = layer.k.shape[1]
     new = kvc.write(layer, k, v, self.start, self.counts)
     self.layers.append(new)
+    mine = (k.swapaxes(1, 2), v.swapaxes(1, 2), self.positions)  # [B, K, T, H]
     if self.mode == "fresh":
-      return k, v, self.positions
+      return [mine]
     if self.mode == "decode":
-      pos = kvc.entry_positions(self.start + self.counts, size, ring)
-      return new.k.astype(k.dtype), new.v.astype(v.dtype), pos
-    pos = kvc.entry_positions(self.start, size, ring)
-    keys = jnp.concatenate([layer.k.astype(k.dtype), k], axis=1)
-    values = jnp.concatenate([layer.v.astype(v.dtype), v], axis=1)
-    return keys, values, jnp.concatenate([pos, self.positions], axis=1)
+      # Written first, then read: the ring entry a write replaces is W positions back, outside
+      # the query's window. (Reading the old cache as well would make XLA copy it each step.)
+      return [(new.k, new.v, kvc.layer_positions(new, self.start + self.counts, ring))]
+    # A chunk's early queries need ring entries its later tokens overwrite: attend to the old
+    # rows and the chunk as two blocks of keys.
+    return [(layer.k, layer.v, kvc.layer_positions(layer, self.start, ring)), mine]
 
 
 def _take_rows(tree, idx):
@@ -109,7 +109,7 @@ def decode_logits(model, cache: kvc.KVCache, tokens, active, *, compute_dtype=jn
   """Feeds tokens [B] to the active rows; returns (logits [B, V], cache, count [B] of tokens written)."""
   # Only full-context layers can run out of room; rings never do (a model whose every layer has a
   # sliding window, e.g. Mistral, is bounded by the engine's max_len alone).
-  full = [layer.k.shape[1] for layer, kind in zip(cache.layers, model.cfg.layer_kinds) if kind != LOCAL]
+  full = [kvc.capacity(layer) for layer, kind in zip(cache.layers, model.cfg.layer_kinds) if kind != LOCAL]
   lengths = cache.lengths
   count = (active & (lengths < min(full))) if full else active
   count = count.astype(jnp.int32)

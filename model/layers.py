@@ -6,6 +6,8 @@ Statistics (norms, softmax) are computed in float32 whatever the parameter dtype
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -73,27 +75,52 @@ def attention_mask(q_pos: jax.Array, k_pos: jax.Array, window: int | None) -> ja
   return mask
 
 
-def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, softcap: float | None) -> jax.Array:
-  """Grouped-query attention. q: [B, T, N, H] (already scaled); k, v: [B, S, K, H]; mask: [B, T, S].
+def attend(q: jax.Array, blocks, mask_fn, softcap: float | None) -> jax.Array:
+  """Grouped-query attention over one or more blocks of keys. q: [B, T, N, H] (already scaled).
 
-  Returns [B, T, N, H]. Query heads are grouped over kv heads: head n uses kv head n // (N/K).
+  blocks: [(k [B, K, S_i, H], v [B, K, S_i, H], key positions [B, S_i])], e.g. a cache and the new
+  tokens: scores are joined, never the keys, so a cache is read where it lies and not copied.
+  mask_fn(key positions) -> bool [B, T, S_i]. Returns [B, T, N, H]. Query head n uses kv head
+  n // G (G = N / K): the G heads and T queries of one kv head are the rows of one matmul
+  batched over (B, K).
   """
   b, t, n, h = q.shape
-  kh = k.shape[2]
-  qg = q.reshape(b, t, kh, n // kh, h)  # [B, T, K, G, H]
-  scores = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32)
-  if softcap is not None:
-    scores = jnp.tanh(scores / softcap) * softcap
-  scores = jnp.where(mask[:, None, None, :, :], scores, NEG_INF)
-  probs = jax.nn.softmax(scores, axis=-1)
-  out = jnp.einsum("bkgts,bskh->btkgh", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
-  return out.reshape(b, t, n, h).astype(q.dtype)
+  kh = blocks[0][0].shape[1]
+  g = n // kh
+  qg = q.reshape(b, t, kh, g, h).transpose(0, 2, 1, 3, 4).reshape(b, kh, t * g, h)  # [B, K, T*G, H]
+  # Scores and softmax in float32. (Asking XLA:CPU for float32 output of float32 inputs still
+  # costs ~10x in these batched dots, so the preference is only stated for 16-bit inputs.)
+  acc = None if q.dtype == jnp.float32 else jnp.float32
+  scores = []
+  for k, _, pos in blocks:
+    s = jax.lax.dot_general(qg, k.astype(q.dtype), (((3,), (3,)), ((0, 1), (0, 1))), preferred_element_type=acc)
+    if softcap is not None:
+      s = jnp.tanh(s / softcap) * softcap
+    mask_rows = jnp.repeat(mask_fn(pos), g, axis=1)[:, None]  # [B, 1, T*G, S_i]: row t*G + g is query t
+    scores.append(jnp.where(mask_rows, s.astype(jnp.float32), NEG_INF))
+  probs = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1)  # [B, K, T*G, sum S_i]
+  out, at = 0.0, 0
+  for k, v, _ in blocks:
+    p = probs[..., at:at + k.shape[2]].astype(q.dtype)
+    at += k.shape[2]
+    out = out + jax.lax.dot_general(p, v.astype(q.dtype), (((3,), (2,)), ((0, 1), (0, 1))), preferred_element_type=acc)
+  return out.reshape(b, kh, t, g, h).transpose(0, 2, 1, 3, 4).reshape(b, t, n, h).astype(q.dtype)
 
 
 def linear(x: jax.Array, w: jax.Array) -> jax.Array:
-  """x @ w.T with the weight stored [out, in], computed in x's dtype.
+  """x @ w.T with the weight stored [out, in]; returns x's dtype.
 
-  The [out, in] layout with an explicit upcast is the formulation that stays on XLA:CPU's fast
-  path for 16-bit weights (see benchmarks); on TPU/GPU x is already the weights' dtype.
+  Same dtypes: a plain matmul. 16-bit weights under float32 activations (XLA:CPU, where jaxgen
+  keeps activations float32) take the formulation measured fastest for the shape (benchmarks/
+  matmul_forms.py): a single row (batch-1 decode) upcasts the weight inside the matvec, which XLA
+  fuses into one pass over the 16-bit bytes; more rows round the activations to the weight dtype
+  and accumulate in float32, which runs on the CPU's native bf16 dot units. The other choices are
+  10-40x slower (XLA:CPU's cliffs), so this is a performance decision, not a numerical one.
   """
-  return x @ w.astype(x.dtype).T
+  if w.dtype == x.dtype:
+    return x @ w.T
+  rows = math.prod(x.shape[:-1])
+  if rows == 1:
+    return x @ w.astype(x.dtype).T
+  dims = (((x.ndim - 1,), (1,)), ((), ()))
+  return jax.lax.dot_general(x.astype(w.dtype), w, dims, preferred_element_type=jnp.float32).astype(x.dtype)

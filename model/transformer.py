@@ -85,19 +85,19 @@ class Block(nnx.Module):
   def __call__(self, x: jax.Array, positions: jax.Array, kv_hook=None):
     """x: [B, T, D]; positions: [B, T]. Returns x [B, T, D].
 
-    kv_hook(k, v) -> (keys [B,S,K,H], values, key positions [B,S]) decides what this layer
-    attends to (e.g. its cache with the new entries written in); None: only these T tokens.
+    kv_hook(k, v) -> [(keys [B,K,S,H], values, key positions [B,S]), ...] decides what this layer
+    attends to (e.g. its cache and these tokens; the hook also stores them); None: only these
+    T tokens.
     """
     cfg = self.cfg
     window = cfg.sliding_window if self.kind == LOCAL else None
     h = self._norm_apply(x, self.attn_norm)
     q, k, v = self.qkv(h, positions)
     if kv_hook is None:
-      keys, values, k_pos = k, v, positions
+      blocks = [(k.swapaxes(1, 2), v.swapaxes(1, 2), positions)]
     else:
-      keys, values, k_pos = kv_hook(k, v)
-    mask = L.attention_mask(positions, k_pos, window)
-    a = L.attend(q, keys, values, mask, cfg.attn_softcap)  # [B, T, N, H]
+      blocks = kv_hook(k, v)
+    a = L.attend(q, blocks, lambda k_pos: L.attention_mask(positions, k_pos, window), cfg.attn_softcap)  # [B, T, N, H]
     a = L.linear(a.reshape(*a.shape[:2], -1), self.o[...].reshape(cfg.embed_dim, -1))
     if cfg.sandwich_norm:
       a = self._norm_apply(a, self.post_attn_norm)

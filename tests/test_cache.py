@@ -92,9 +92,9 @@ def test_cache_sizes_ring_vs_full():
   cfg = tiny_config()  # 4 layers: local, global, local, global; window 8
   spec = kvc.CacheSpec(slots=2, max_len=64)
   per_entry = 2 * cfg.num_kv_heads * cfg.head_dim * 4
-  assert spec.bytes_per_slot(cfg) == per_entry * (8 + 64 + 8 + 64)
+  assert spec.bytes_per_slot(cfg) == per_entry * (8 + 64 + 8 + 64 + 4)  # + a scratch entry per layer
   assert spec.total_bytes(cfg) == 2 * spec.bytes_per_slot(cfg)
   shapes = spec.shapes(cfg)
-  assert [layer.k.shape[1] for layer in shapes.layers] == [8, 64, 8, 64]
+  assert [layer.k.shape[2] for layer in shapes.layers] == [9, 65, 9, 65]
   allocated = kvc.allocate(cfg, spec)
   assert sum(x.nbytes for x in jax.tree.leaves(allocated.layers)) == spec.total_bytes(cfg)

@@ -69,15 +69,19 @@ def test_mask_ignores_empty_entries_and_future_positions():
 def test_grouped_attention_matches_numpy():
   b, t, s, n, k, h = 1, 3, 5, 4, 2, 8
   q = RNG.normal(size=(b, t, n, h)).astype(np.float32)
-  kk = RNG.normal(size=(b, s, k, h)).astype(np.float32)
-  v = RNG.normal(size=(b, s, k, h)).astype(np.float32)
+  kk = RNG.normal(size=(b, k, s, h)).astype(np.float32)
+  v = RNG.normal(size=(b, k, s, h)).astype(np.float32)
   mask = RNG.random((b, t, s)) > 0.3
   mask[..., 0] = True
-  out = np.asarray(L.attend(jnp.asarray(q), jnp.asarray(kk), jnp.asarray(v), jnp.asarray(mask), None))
+  pos = jnp.broadcast_to(jnp.arange(s), (b, s))
+  blocks = [(jnp.asarray(kk[:, :, :2]), jnp.asarray(v[:, :, :2]), pos[:, :2]),  # split in two blocks
+            (jnp.asarray(kk[:, :, 2:]), jnp.asarray(v[:, :, 2:]), pos[:, 2:])]
+  mask_fn = lambda k_pos: jnp.asarray(mask)[:, :, k_pos[0]]  # noqa: E731
+  out = np.asarray(L.attend(jnp.asarray(q), blocks, mask_fn, None))
   g = n // k
   for head in range(n):
-    sc = q[0, :, head] @ kk[0, :, head // g].T
+    sc = q[0, :, head] @ kk[0, head // g].T
     sc = np.where(mask[0], sc, -np.inf)
     p = np.exp(sc - sc.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
-    np.testing.assert_allclose(out[0, :, head], p @ v[0, :, head // g], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out[0, :, head], p @ v[0, head // g], rtol=1e-5, atol=1e-5)

@@ -107,9 +107,10 @@ def test_same_key_same_draw_different_positions_differ():
   logits = jnp.broadcast_to(jnp.asarray(FLAT, jnp.float32), (2, V))
   p = row_params(2, temperature=1.0)
   p = p.replace(key=jnp.asarray([[0, 42], [0, 42]], jnp.uint32))
-  a = S.sample(logits, state(p, 2), jnp.array([5, 5]), jnp.bool_(False)).tokens
+  sample = jax.jit(S.sample)
+  a = sample(logits, state(p, 2), jnp.array([5, 5]), jnp.bool_(False)).tokens
   assert int(a[0]) == int(a[1])
-  draws = {int(S.sample(logits, state(p, 2), jnp.array([i, i]), jnp.bool_(False)).tokens[0]) for i in range(20)}
+  draws = {int(sample(logits, state(p, 2), jnp.array([i, i]), jnp.bool_(False)).tokens[0]) for i in range(20)}
   assert len(draws) > 5
 
 

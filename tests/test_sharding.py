@@ -220,7 +220,7 @@ def _layout(llm, kv_replicated: bool):
   for i, layer in enumerate(state.cache.layers):
     for arr in (layer.k, layer.v):
       n += 1
-      if _spec(arr) != ("data", None, kv_axis, None):
+      if _spec(arr) != ("data", kv_axis, None, None):  # [B, K, S, H]
         bad.append(f"cache layer {i}: {arr.sharding.spec}")
   for path, arr in jax.tree_util.tree_flatten_with_path(state.sampler)[0]:
     n += 1
