@@ -145,3 +145,19 @@ def test_stream_yields_the_same_text_as_generate(llm):
   m = llm.last_output.metrics
   assert m.ttft_s > 0 and m.generated_tokens == len(full.token_ids) and m.prefill_s > 0 and m.decode_s > 0
   assert len(m.inter_token_latencies) == m.generated_tokens - 1
+
+
+def test_logprobs_are_those_of_the_raw_model_distribution(llm):
+  prompt = llm.tokenizer.encode("The largest planet in the solar system is", add_special_tokens=True)
+  out = llm.generate([prompt], SamplingParams(max_tokens=4, temperature=1.0, seed=11, logprobs=5), use_tqdm=False)[0]
+  first = out.outputs[0].logprobs[0]
+  logits = llm.logits(prompt)[-1].astype(np.float64)
+  ref = logits - logits.max() - np.log(np.exp(logits - logits.max()).sum())
+  top = np.argsort(-ref)[:5]
+  ranked = sorted((lp for lp in first.values() if lp.rank is not None), key=lambda lp: lp.rank)
+  assert [lp.token_id for lp in ranked] == top.tolist()
+  np.testing.assert_allclose([lp.logprob for lp in ranked], ref[top], atol=1e-4)
+  chosen = out.token_ids[0]
+  np.testing.assert_allclose(first[chosen].logprob, ref[chosen], atol=1e-4)
+  total = sum(step[t].logprob for step, t in zip(out.outputs[0].logprobs, out.token_ids))
+  np.testing.assert_allclose(out.outputs[0].cumulative_logprob, total, rtol=1e-6)
