@@ -1,7 +1,6 @@
 """Compiled generation on the embedded model: cache invariant, golden greedy continuations,
 seeds, stop rules and bad input (each a ValueError naming the field, the LLM usable after)."""
 
-import functools
 
 import jax
 import numpy as np

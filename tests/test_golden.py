@@ -5,7 +5,6 @@ equal wherever the reference's top-2 margin exceeds 1e-2. bfloat16 weights: top-
 mean KL to the float32 distribution over the reference's top-32, with stated bounds.
 """
 
-import jax
 import numpy as np
 import pytest
 
