@@ -55,33 +55,33 @@ def init_state(cfg: ModelConfig, spec: kvc.CacheSpec, shardings: DecodeState | N
 
 
 class _CacheHook:
-  """The kv_hook that stores each layer's new keys/values in the cache rows and says what to attend.
+  """The kv_hook that says what each layer attends to and then stores its new keys/values.
 
-  mode "fresh": rows start empty; attend only within the chunk (causal).
-  mode "chunk": attend to what the rows held before plus the new tokens, as two blocks of keys
-  (the cache is read where it lies, never concatenated).
-  mode "decode" (T = 1): write, then attend over the cache alone.
+  fresh=True: the rows start empty; attend only within the chunk (causal).
+  fresh=False (a continued prompt chunk, or a decode step with T = 1): attend to what the rows
+  held before plus the new tokens, as two blocks of keys. The cache is read where it lies (never
+  concatenated), and a ring entry a chunk overwrites is still seen by the chunk's early queries.
+  The write comes after the reads (see `store`), so the cache is updated in place.
   """
 
-  def __init__(self, cfg: ModelConfig, rows: kvc.KVCache, start, counts, positions, mode: str):
-    self.cfg, self.rows, self.start, self.counts, self.positions, self.mode = cfg, rows, start, counts, positions, mode
+  def __init__(self, cfg: ModelConfig, rows: kvc.KVCache, start, counts, positions, fresh: bool):
+    self.cfg, self.rows, self.start, self.counts, self.positions, self.fresh = cfg, rows, start, counts, positions, fresh
     self.layers: list[kvc.LayerCache] = []
 
   def __call__(self, i, k, v):
     layer = self.rows.layers[i]
     ring = self.cfg.layer_kinds[i] == LOCAL
-    new = kvc.write(layer, k, v, self.start, self.counts)
-    self.layers.append(new)
     mine = (k.swapaxes(1, 2), v.swapaxes(1, 2), self.positions)  # [B, K, T, H]
-    if self.mode == "fresh":
-      return [mine]
-    if self.mode == "decode":
-      # Written first, then read: the ring entry a write replaces is W positions back, outside
-      # the query's window. (Reading the old cache as well would make XLA copy it each step.)
-      return [(new.k, new.v, kvc.layer_positions(new, self.start + self.counts, ring))]
-    # A chunk's early queries need ring entries its later tokens overwrite: attend to the old
-    # rows and the chunk as two blocks of keys.
-    return [(layer.k, layer.v, kvc.layer_positions(layer, self.start, ring)), mine]
+    blocks = [mine] if self.fresh else [(layer.k, layer.v, kvc.layer_positions(layer, self.start, ring)), mine]
+
+    def store(after):
+      # An exact zero computed from the attention output: it orders the in-place write after
+      # every read of the old entries. Without this data dependence XLA cannot prove the order
+      # and copies the whole layer (XLA:CPU: 2-4 copies of every cache array per step).
+      zero = jnp.zeros((), k.dtype) * jnp.sum(after).astype(k.dtype)
+      self.layers.append(kvc.write(layer, k + zero, v + zero, self.start, self.counts))
+
+    return blocks, store
 
 
 def _take_rows(tree, idx):
@@ -98,7 +98,7 @@ def prefill_logits(model, cache: kvc.KVCache, tokens, counts, slots, *, fresh: b
   rows = kvc.KVCache(_take_rows(cache.layers, slots), cache.lengths[slots])
   start = jnp.zeros((p,), jnp.int32) if fresh else rows.lengths
   positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-  hook = _CacheHook(model.cfg, rows, start, counts, positions, "fresh" if fresh else "chunk")
+  hook = _CacheHook(model.cfg, rows, start, counts, positions, fresh)
   hidden = model(tokens, positions, hook, compute_dtype=compute_dtype)
   cache = kvc.KVCache(_put_rows(cache.layers, slots, tuple(hook.layers)), cache.lengths.at[slots].set(start + counts))
   last = jnp.take_along_axis(hidden, (counts - 1)[:, None, None], axis=1)[:, 0]  # [P, D]
@@ -113,7 +113,7 @@ def decode_logits(model, cache: kvc.KVCache, tokens, active, *, compute_dtype=jn
   lengths = cache.lengths
   count = (active & (lengths < min(full))) if full else active
   count = count.astype(jnp.int32)
-  hook = _CacheHook(model.cfg, cache, lengths, count, lengths[:, None], "decode")
+  hook = _CacheHook(model.cfg, cache, lengths, count, lengths[:, None], fresh=False)
   hidden = model(tokens[:, None], lengths[:, None], hook, compute_dtype=compute_dtype)
   return model.logits(hidden[:, 0]), kvc.KVCache(tuple(hook.layers), lengths + count), count
 

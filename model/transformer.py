@@ -85,19 +85,20 @@ class Block(nnx.Module):
   def __call__(self, x: jax.Array, positions: jax.Array, kv_hook=None):
     """x: [B, T, D]; positions: [B, T]. Returns x [B, T, D].
 
-    kv_hook(k, v) -> [(keys [B,K,S,H], values, key positions [B,S]), ...] decides what this layer
-    attends to (e.g. its cache and these tokens; the hook also stores them); None: only these
-    T tokens.
+    kv_hook(k, v) -> (blocks, store) decides what this layer attends to and keeps the new keys/
+    values: blocks = [(keys [B,K,S,H], values, key positions [B,S]), ...] (e.g. a cache and these
+    tokens); store(after) is called with the attention output once the blocks have been read, so
+    a cache can be updated in place after its last read. None: only these T tokens.
     """
     cfg = self.cfg
     window = cfg.sliding_window if self.kind == LOCAL else None
     h = self._norm_apply(x, self.attn_norm)
     q, k, v = self.qkv(h, positions)
-    if kv_hook is None:
-      blocks = [(k.swapaxes(1, 2), v.swapaxes(1, 2), positions)]
-    else:
-      blocks = kv_hook(k, v)
+    mine = [(k.swapaxes(1, 2), v.swapaxes(1, 2), positions)]
+    blocks, store = (mine, None) if kv_hook is None else kv_hook(k, v)
     a = L.attend(q, blocks, lambda k_pos: L.attention_mask(positions, k_pos, window), cfg.attn_softcap)  # [B, T, N, H]
+    if store is not None:
+      store(a)
     a = L.linear(a.reshape(*a.shape[:2], -1), self.o[...].reshape(cfg.embed_dim, -1))
     if cfg.sandwich_norm:
       a = self._norm_apply(a, self.post_attn_norm)
@@ -132,8 +133,8 @@ class Transformer(nnx.Module):
   def __call__(self, tokens: jax.Array, positions: jax.Array, kv_hook=None, compute_dtype=jnp.float32):
     """tokens, positions: [B, T] -> hidden [B, T, D] after the final norm.
 
-    kv_hook(layer_index, k, v) -> (keys, values, key positions): how layer i sees past tokens
-    (see `Block.__call__`); the caller owns any cache. None: plain causal self-attention.
+    kv_hook(layer_index, k, v) -> (blocks, store): how layer i sees past tokens and keeps its
+    own (see `Block.__call__`); the caller owns any cache. None: plain causal self-attention.
     """
     x = self.embed_tokens(tokens, compute_dtype)
     for i, block in enumerate(self.layers):
