@@ -106,7 +106,7 @@ def fuse(cfg: ModelConfig, tensors: dict[str, np.ndarray], source: str,
     try:
       out[p + "q"] = tensors[p + "q"].reshape(n, h, d)
       out[p + "kv"] = np.stack([tensors[p + "k"].reshape(k, h, d), tensors[p + "v"].reshape(k, h, d)], axis=1)
-      out[p + "o"] = tensors[p + "o"].reshape(d, n, h)
+      out[p + "o"] = tensors[p + "o"]
       out[p + "gate_up"] = np.stack([tensors[p + "gate"], tensors[p + "up"]], axis=1)
       if cfg.qkv_bias:
         out[p + "q_bias"] = tensors[p + "q_bias"].reshape(n, h)

@@ -84,7 +84,7 @@ def gguf_tensors(model, arch):
       elif leaf == "kv":
         parts = {"k": x[:, 0].reshape(k * h, d), "v": x[:, 1].reshape(k * h, d)}
       elif leaf == "o":
-        parts = {"o": x.reshape(d, n * h)}
+        parts = {"o": x}
       elif leaf == "gate_up":
         parts = {"gate": x[:, 0], "up": x[:, 1]}
       else:

@@ -110,7 +110,7 @@ def expected_spec(name: str, ndim: int, kv_replicated: bool):
   leaf = name.split(".")[-1]
   table = {
       "embed": ("model", None), "unembed": ("model", None),
-      "q": ("model", None, None), "o": (None, "model", None),
+      "q": ("model", None, None), "o": (None, "model"),
       "kv": (None if kv_replicated else "model", None, None, None),
       "gate_up": ("model", None, None), "down": (None, "model"),
   }
