@@ -121,6 +121,16 @@ def linear(x: jax.Array, w: jax.Array) -> jax.Array:
     return x @ w.T
   rows = math.prod(x.shape[:-1])
   if rows == 1:
-    return x @ w.astype(x.dtype).T
+    return _materialize(x) @ w.astype(x.dtype).T
   dims = (((x.ndim - 1,), (1,)), ((), ()))
   return jax.lax.dot_general(x.astype(w.dtype), w, dims, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def _materialize(x: jax.Array) -> jax.Array:
+  """x, computed once into its own buffer before a fused matvec reads it.
+
+  XLA:CPU fuses the producers of a small vector into the matrix-vector product that consumes it
+  and then evaluates them once per output row (10x slower for the attention output feeding `o`).
+  A reduction is never fused into its consumer, so x goes through one (an exact identity: x + 0).
+  """
+  return jnp.sum(jnp.stack([x, jnp.zeros_like(x)]), axis=0)
