@@ -124,6 +124,21 @@ def _dummy_request(eng, n):
   return _Request("bench", None, [0] * n, _bench_params(1), 1, frozenset(), RequestMetrics(0.0, n))
 
 
+def kv_bytes_read(cache, length: int) -> int:
+  """KV bytes a decode step reads when every row holds `length` tokens: attention reads each layer
+  in whole chunks of `ATTN_CHUNK` entries up to the filled length (see `layers.attend`)."""
+  from jaxgen.decode.cache import capacity
+  from jaxgen.model.layers import ATTN_CHUNK
+
+  total = 0
+  for layer in cache.layers:
+    size = layer.k.shape[2]
+    c = min(ATTN_CHUNK, size)
+    entries = min(-(-min(length, capacity(layer)) // c) * c, size)
+    total += int(layer.k.nbytes + layer.v.nbytes) * entries // size
+  return total
+
+
 def bench_decode(llm, batches, context: int, steps: int, roof) -> list[dict]:
   from jaxgen.decode.engine import Engine
 
@@ -141,7 +156,7 @@ def bench_decode(llm, batches, context: int, steps: int, roof) -> list[dict]:
       return out.tokens
 
     sec = _timed(run, reps=3) / steps
-    kv_read = sum(int(layer.k.nbytes + layer.v.nbytes) for layer in eng.state.cache.layers)
+    kv_read = kv_bytes_read(eng.state.cache, context + steps // 2)
     moved = weights + kv_read
     rows.append(dict(batch=b, step_ms=sec * 1e3, tok_s=b / sec, mbu=moved / sec / roof["mem_bw"],
                      bytes_per_step=moved))

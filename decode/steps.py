@@ -72,7 +72,10 @@ class _CacheHook:
     layer = self.rows.layers[i]
     ring = self.cfg.layer_kinds[i] == LOCAL
     mine = (k.swapaxes(1, 2), v.swapaxes(1, 2), self.positions)  # [B, K, T, H]
-    blocks = [mine] if self.fresh else [(layer.k, layer.v, kvc.layer_positions(layer, self.start, ring)), mine]
+    # Only the filled part of the cache is read: no entry at or past the longest row's length
+    # (or the ring's size) holds a token.
+    limit = jnp.minimum(jnp.max(self.start), kvc.capacity(layer))
+    blocks = [mine] if self.fresh else [(layer.k, layer.v, kvc.layer_positions(layer, self.start, ring), limit), mine]
 
     def store(after):
       # An exact zero computed from the attention output: it orders the in-place write after

@@ -13,6 +13,8 @@ import jax.numpy as jnp
 
 # A mask value that survives bf16 and soft-capping, and exp() of which is exactly 0 in float32.
 NEG_INF = -2.3819763e38
+# Keys per step when `attend` reads a cache block up to its filled length.
+ATTN_CHUNK = 256
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float, offset: float) -> jax.Array:
@@ -75,14 +77,16 @@ def attention_mask(q_pos: jax.Array, k_pos: jax.Array, window: int | None) -> ja
   return mask
 
 
-def attend(q: jax.Array, blocks, mask_fn, softcap: float | None) -> jax.Array:
+def attend(q: jax.Array, blocks, mask_fn, softcap: float | None, chunk: int = ATTN_CHUNK) -> jax.Array:
   """Grouped-query attention over one or more blocks of keys. q: [B, T, N, H] (already scaled).
 
-  blocks: [(k [B, K, S_i, H], v [B, K, S_i, H], key positions [B, S_i])], e.g. a cache and the new
-  tokens: scores are joined, never the keys, so a cache is read where it lies and not copied.
-  mask_fn(key positions) -> bool [B, T, S_i]. Returns [B, T, N, H]. Query head n uses kv head
-  n // G (G = N / K): the G heads and T queries of one kv head are the rows of one matmul
-  batched over (B, K).
+  blocks: [(k [B, K, S_i, H], v [B, K, S_i, H], key positions [B, S_i][, limit])], e.g. a cache
+  and the new tokens: scores are joined, never the keys, so a cache is read where it lies and not
+  copied. A block with a `limit` (traced int: no key at index >= limit is visible to any row) is
+  read `chunk` keys at a time up to the limit (online softmax), so a mostly empty cache costs what
+  its filled part does. mask_fn(key positions) -> bool [B, T, S_i]. Returns [B, T, N, H].
+  Query head n uses kv head n // G (G = N / K): the G heads and T queries of one kv head are the
+  rows of one matmul batched over (B, K).
   """
   b, t, n, h = q.shape
   kh = blocks[0][0].shape[1]
@@ -91,20 +95,67 @@ def attend(q: jax.Array, blocks, mask_fn, softcap: float | None) -> jax.Array:
   # Scores and softmax in float32. (Asking XLA:CPU for float32 output of float32 inputs still
   # costs ~10x in these batched dots, so the preference is only stated for 16-bit inputs.)
   acc = None if q.dtype == jnp.float32 else jnp.float32
-  scores = []
-  for k, _, pos in blocks:
+
+  def scores(k, pos):  # -> [B, K, T*G, S] float32, masked
     s = jax.lax.dot_general(qg, k.astype(q.dtype), (((3,), (3,)), ((0, 1), (0, 1))), preferred_element_type=acc)
     if softcap is not None:
       s = jnp.tanh(s / softcap) * softcap
-    mask_rows = jnp.repeat(mask_fn(pos), g, axis=1)[:, None]  # [B, 1, T*G, S_i]: row t*G + g is query t
-    scores.append(jnp.where(mask_rows, s.astype(jnp.float32), NEG_INF))
-  probs = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1)  # [B, K, T*G, sum S_i]
-  out, at = 0.0, 0
-  for k, v, _ in blocks:
-    p = probs[..., at:at + k.shape[2]].astype(q.dtype)
-    at += k.shape[2]
-    out = out + jax.lax.dot_general(p, v.astype(q.dtype), (((3,), (2,)), ((0, 1), (0, 1))), preferred_element_type=acc)
+    mask_rows = jnp.repeat(mask_fn(pos), g, axis=1)[:, None]  # [B, 1, T*G, S]: row t*G + g is query t
+    return jnp.where(mask_rows, s.astype(jnp.float32), NEG_INF)
+
+  def weighted(p, v):  # [B, K, T*G, S] x [B, K, S, H] -> [B, K, T*G, H] float32
+    pv = jax.lax.dot_general(p.astype(q.dtype), v.astype(q.dtype), (((3,), (2,)), ((0, 1), (0, 1))),
+                             preferred_element_type=acc)
+    return pv.astype(jnp.float32)
+
+  whole = [blk[:3] for blk in blocks if len(blk) == 3 or blk[3] is None]
+  chunked = [blk for blk in blocks if len(blk) == 4 and blk[3] is not None]
+  if not chunked:
+    probs = jax.nn.softmax(jnp.concatenate([scores(k, pos) for k, _, pos in whole], axis=-1), axis=-1)
+    out, at = 0.0, 0
+    for k, v, _ in whole:
+      out = out + weighted(probs[..., at:at + k.shape[2]], v)
+      at += k.shape[2]
+  else:
+    # Running (max, sum of exp, exp-weighted sum of values) per query row, started from the
+    # whole blocks (or empty).
+    zeros = jnp.zeros((b, kh, t * g, 1), jnp.float32)
+    run = (zeros + NEG_INF, zeros, jnp.zeros((b, kh, t * g, h), jnp.float32))
+    if whole:
+      s = jnp.concatenate([scores(k, pos) for k, _, pos in whole], axis=-1)  # [B, K, T*G, sum S_i]
+      m = jnp.max(s, axis=-1, keepdims=True)
+      p = jnp.exp(s - m)
+      run, at = (m, jnp.sum(p, axis=-1, keepdims=True), run[2]), 0
+      for k, v, _ in whole:
+        run = run[:2] + (run[2] + weighted(p[..., at:at + k.shape[2]], v),)
+        at += k.shape[2]
+    for k, v, pos, limit in chunked:
+      run = _online_blocks(run, k, v, pos, limit, min(chunk, k.shape[2]), scores, weighted)
+    out = run[2] / run[1]
   return out.reshape(b, kh, t, g, h).transpose(0, 2, 1, 3, 4).reshape(b, t, n, h).astype(q.dtype)
+
+
+def _online_blocks(run, k, v, pos, limit, c: int, scores, weighted):
+  """Folds keys [0, limit) of one block into a running (max, sum, weighted sum), c keys a step.
+
+  The loop runs ceil(limit / c) times. Its last window is moved back to end at the block's end
+  when it would overrun (a slice cannot), and keys it already folded in are masked out.
+  """
+  size = k.shape[2]
+
+  def body(carry):
+    i, (m, l, acc) = carry
+    at = jnp.minimum(i * c, size - c)
+    s = scores(jax.lax.dynamic_slice_in_dim(k, at, c, axis=2), jax.lax.dynamic_slice_in_dim(pos, at, c, axis=1))
+    s = jnp.where(at + jnp.arange(c) >= i * c, s, NEG_INF)
+    m_new = jnp.maximum(m, jnp.max(s, axis=-1, keepdims=True))
+    p = jnp.exp(s - m_new)
+    scale = jnp.exp(m - m_new)
+    acc = acc * scale + weighted(p, jax.lax.dynamic_slice_in_dim(v, at, c, axis=2))
+    return i + 1, (m_new, l * scale + jnp.sum(p, axis=-1, keepdims=True), acc)
+
+  _, run = jax.lax.while_loop(lambda carry: carry[0] * c < limit, body, (jnp.int32(0), run))
+  return run
 
 
 def linear(x: jax.Array, w: jax.Array) -> jax.Array:

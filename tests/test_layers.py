@@ -85,3 +85,52 @@ def test_grouped_attention_matches_numpy():
     p = np.exp(sc - sc.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
     np.testing.assert_allclose(out[0, :, head], p @ v[0, head // g], rtol=1e-5, atol=1e-5)
+
+
+def _numpy_attention(q, kk, v, mask, softcap=None):
+  """q [B,T,N,H], kk/v [B,K,S,H], mask [B,T,S] -> [B,T,N,H]."""
+  b, t, n, h = q.shape
+  g = n // kk.shape[1]
+  out = np.zeros_like(q)
+  for r in range(b):
+    for head in range(n):
+      sc = q[r, :, head] @ kk[r, head // g].T
+      if softcap is not None:
+        sc = np.tanh(sc / softcap) * softcap
+      sc = np.where(mask[r], sc, -np.inf)
+      p = np.exp(sc - sc.max(-1, keepdims=True))
+      out[r, :, head] = (p / p.sum(-1, keepdims=True)) @ v[r, head // g]
+  return out
+
+
+@pytest.mark.parametrize("limit, chunk", [(13, 4), (12, 4), (3, 8), (20, 6), (1, 3)])
+def test_attention_read_in_chunks_up_to_a_limit_matches_numpy(limit, chunk):
+  """A cache block with a limit is folded in `chunk` keys at a time (online softmax); keys past
+  the limit are never read, including when the last chunk is moved back to fit (20 keys, 6)."""
+  b, t, s, n, k, h = 2, 2, 20, 4, 2, 8
+  q = RNG.normal(size=(b, t, n, h)).astype(np.float32)
+  kk = RNG.normal(size=(b, k, s + t, h)).astype(np.float32)
+  v = RNG.normal(size=(b, k, s + t, h)).astype(np.float32)
+  pos = np.where(np.arange(s) < limit, np.arange(s), -1)[None].repeat(b, 0)
+  pos[1, limit // 2:] = -1  # a shorter row
+  mask = np.concatenate([(pos >= 0)[:, None, :].repeat(t, 1), np.tril(np.ones((t, t), bool))[None].repeat(b, 0)], -1)
+  # Past the chunk that holds the limit, values are NaN: reading them would make the output NaN.
+  v[:, :, -(-limit // chunk) * chunk:s] = np.nan
+  mask_fn = lambda k_pos: k_pos[:, None, :] >= 0 if k_pos.shape[1] != t else jnp.asarray(mask[:, :, s:])  # noqa: E731
+  blocks = [(jnp.asarray(kk[:, :, :s]), jnp.asarray(v[:, :, :s]), jnp.asarray(pos), jnp.int32(limit)),
+            (jnp.asarray(kk[:, :, s:]), jnp.asarray(v[:, :, s:]), jnp.asarray(np.full((b, t), 99)))]
+  for softcap in (None, 5.0):
+    out = np.asarray(L.attend(jnp.asarray(q), blocks, lambda p: jnp.broadcast_to(mask_fn(p), (b, t, p.shape[1])),
+                              softcap, chunk=chunk))
+    np.testing.assert_allclose(out, _numpy_attention(q, kk, np.nan_to_num(v), mask, softcap), rtol=1e-5, atol=1e-5)
+
+
+def test_attention_with_only_a_chunked_block():
+  b, t, s, n, k, h = 1, 1, 10, 2, 1, 4
+  q = RNG.normal(size=(b, t, n, h)).astype(np.float32)
+  kk = RNG.normal(size=(b, k, s, h)).astype(np.float32)
+  v = RNG.normal(size=(b, k, s, h)).astype(np.float32)
+  pos = jnp.arange(s)[None]
+  out = L.attend(jnp.asarray(q), [(jnp.asarray(kk), jnp.asarray(v), pos, jnp.int32(s))],
+                 lambda p: jnp.ones((b, t, p.shape[1]), bool), None, chunk=4)
+  np.testing.assert_allclose(np.asarray(out), _numpy_attention(q, kk, v, np.ones((b, t, s), bool)), rtol=1e-5, atol=1e-5)
