@@ -72,9 +72,10 @@ class _CacheHook:
     layer = self.rows.layers[i]
     ring = self.cfg.layer_kinds[i] == LOCAL
     mine = (k.swapaxes(1, 2), v.swapaxes(1, 2), self.positions)  # [B, K, T, H]
-    # Only the filled part of the cache is read: no entry at or past the longest row's length
-    # (or the ring's size) holds a token.
-    limit = jnp.minimum(jnp.max(self.start), kvc.capacity(layer))
+    # Only the filled part of the cache is read: no entry at or past the longest length of a row
+    # that takes tokens now (or the ring's size) is visible. Rows that take none (finished or
+    # idle slots keep their old lengths) have their output discarded and do not count.
+    limit = jnp.minimum(jnp.max(jnp.where(self.counts > 0, self.start, 0)), kvc.capacity(layer))
     blocks = [mine] if self.fresh else [(layer.k, layer.v, kvc.layer_positions(layer, self.start, ring), limit), mine]
 
     def store(after):

@@ -98,3 +98,19 @@ def test_cache_sizes_ring_vs_full():
   assert [layer.k.shape[2] for layer in shapes.layers] == [9, 65, 9, 65]
   allocated = kvc.allocate(cfg, spec)
   assert sum(x.nbytes for x in jax.tree.leaves(allocated.layers)) == spec.total_bytes(cfg)
+
+
+def test_attention_reads_only_up_to_the_longest_row_taking_tokens():
+  """The cache block each layer attends to is bounded by the longest row that takes tokens now:
+  a finished slot that keeps a long length does not make every later step read its entries."""
+  cfg = tiny_config()
+  cache = kvc.allocate(cfg, kvc.CacheSpec(3, 64))
+  start = jnp.array([5, 40, 12], jnp.int32)  # row 1: a finished request's stale length
+  counts = jnp.array([1, 0, 1], jnp.int32)
+  hook = steps._CacheHook(cfg, cache, start, counts, start[:, None], fresh=False)
+  h = cfg.head_dim
+  k = jnp.zeros((3, 1, cfg.num_kv_heads, h))
+  for i in range(cfg.num_layers):
+    blocks, _ = hook(i, k, k)
+    want = min(12, kvc.capacity(cache.layers[i]))
+    assert int(blocks[0][3]) == want, (i, int(blocks[0][3]), want)
