@@ -39,9 +39,9 @@ def convert(src: str, dst: str, kind: str) -> None:
     if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
       continue  # written by GGUFWriter itself
     value = file_type if field.name == gguf.Keys.General.FILE_TYPE else field.contents()
-    kind_ = field.types[0]
-    sub = field.types[-1] if kind_ == gguf.GGUFValueType.ARRAY else None
-    writer.add_key_value(field.name, value, kind_, sub_type=sub)
+    vtype = field.types[0]
+    sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+    writer.add_key_value(field.name, value, vtype, sub_type=sub)
   for t in reader.tensors:
     w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(reversed([int(d) for d in t.shape])))
     writer.add_tensor(t.name, w.astype(dtype if w.ndim > 1 else np.float32))
@@ -92,7 +92,7 @@ def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--gguf", default=None, help="source GGUF (default: the embedded Gemma 3 270M)")
   p.add_argument("--type", choices=sorted(TYPES), default="f16")
-  p.add_argument("--out", default=None, help="where to keep the converted file (default: a temporary one)")
+  p.add_argument("--out", default=None, help="where to keep the converted file; an existing one is reused (default: a temporary one)")
   p.add_argument("--prompt-lengths", default="128,512,1024")
   p.add_argument("--context", type=int, default=128)
   p.add_argument("--steps", type=int, default=64)

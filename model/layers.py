@@ -108,30 +108,24 @@ def attend(q: jax.Array, blocks, mask_fn, softcap: float | None, chunk: int = AT
                              preferred_element_type=acc)
     return pv.astype(jnp.float32)
 
-  whole = [blk[:3] for blk in blocks if len(blk) == 3 or blk[3] is None]
-  chunked = [blk for blk in blocks if len(blk) == 4 and blk[3] is not None]
-  if not chunked:
-    probs = jax.nn.softmax(jnp.concatenate([scores(k, pos) for k, _, pos in whole], axis=-1), axis=-1)
-    out, at = 0.0, 0
-    for k, v, _ in whole:
-      out = out + weighted(probs[..., at:at + k.shape[2]], v)
+  # One softmax over all blocks, kept as a running (max, sum of exp, exp-weighted sum of values)
+  # per query row: the plain blocks start it, each limited block is folded in chunk by chunk.
+  plain = [blk[:3] for blk in blocks if len(blk) == 3 or blk[3] is None]
+  limited = [blk for blk in blocks if len(blk) == 4 and blk[3] is not None]
+  zeros = jnp.zeros((b, kh, t * g, 1), jnp.float32)
+  run = (zeros + NEG_INF, zeros, jnp.zeros((b, kh, t * g, h), jnp.float32))
+  if plain:
+    s = jnp.concatenate([scores(k, pos) for k, _, pos in plain], axis=-1)  # [B, K, T*G, sum S_i]
+    m = jnp.max(s, axis=-1, keepdims=True)
+    p = jnp.exp(s - m)
+    total, at = run[2], 0
+    for k, v, _ in plain:
+      total = total + weighted(p[..., at:at + k.shape[2]], v)
       at += k.shape[2]
-  else:
-    # Running (max, sum of exp, exp-weighted sum of values) per query row, started from the
-    # whole blocks (or empty).
-    zeros = jnp.zeros((b, kh, t * g, 1), jnp.float32)
-    run = (zeros + NEG_INF, zeros, jnp.zeros((b, kh, t * g, h), jnp.float32))
-    if whole:
-      s = jnp.concatenate([scores(k, pos) for k, _, pos in whole], axis=-1)  # [B, K, T*G, sum S_i]
-      m = jnp.max(s, axis=-1, keepdims=True)
-      p = jnp.exp(s - m)
-      run, at = (m, jnp.sum(p, axis=-1, keepdims=True), run[2]), 0
-      for k, v, _ in whole:
-        run = run[:2] + (run[2] + weighted(p[..., at:at + k.shape[2]], v),)
-        at += k.shape[2]
-    for k, v, pos, limit in chunked:
-      run = _online_blocks(run, k, v, pos, limit, min(chunk, k.shape[2]), scores, weighted)
-    out = run[2] / run[1]
+    run = (m, jnp.sum(p, axis=-1, keepdims=True), total)
+  for k, v, pos, limit in limited:
+    run = _online_blocks(run, k, v, pos, limit, min(chunk, k.shape[2]), scores, weighted)
+  out = run[2] / run[1]
   return out.reshape(b, kh, t, g, h).transpose(0, 2, 1, 3, 4).reshape(b, t, n, h).astype(q.dtype)
 
 

@@ -66,27 +66,6 @@ def test_mask_ignores_empty_entries_and_future_positions():
   np.testing.assert_array_equal(L.attention_mask(q, k, 2)[0, 0], [0, 0, 1, 0, 1])
 
 
-def test_grouped_attention_matches_numpy():
-  b, t, s, n, k, h = 1, 3, 5, 4, 2, 8
-  q = RNG.normal(size=(b, t, n, h)).astype(np.float32)
-  kk = RNG.normal(size=(b, k, s, h)).astype(np.float32)
-  v = RNG.normal(size=(b, k, s, h)).astype(np.float32)
-  mask = RNG.random((b, t, s)) > 0.3
-  mask[..., 0] = True
-  pos = jnp.broadcast_to(jnp.arange(s), (b, s))
-  blocks = [(jnp.asarray(kk[:, :, :2]), jnp.asarray(v[:, :, :2]), pos[:, :2]),  # split in two blocks
-            (jnp.asarray(kk[:, :, 2:]), jnp.asarray(v[:, :, 2:]), pos[:, 2:])]
-  mask_fn = lambda k_pos: jnp.asarray(mask)[:, :, k_pos[0]]  # noqa: E731
-  out = np.asarray(L.attend(jnp.asarray(q), blocks, mask_fn, None))
-  g = n // k
-  for head in range(n):
-    sc = q[0, :, head] @ kk[0, head // g].T
-    sc = np.where(mask[0], sc, -np.inf)
-    p = np.exp(sc - sc.max(-1, keepdims=True))
-    p /= p.sum(-1, keepdims=True)
-    np.testing.assert_allclose(out[0, :, head], p @ v[0, head // g], rtol=1e-5, atol=1e-5)
-
-
 def _numpy_attention(q, kk, v, mask, softcap=None):
   """q [B,T,N,H], kk/v [B,K,S,H], mask [B,T,S] -> [B,T,N,H]."""
   b, t, n, h = q.shape
@@ -103,6 +82,21 @@ def _numpy_attention(q, kk, v, mask, softcap=None):
   return out
 
 
+def test_grouped_attention_matches_numpy():
+  b, t, s, n, k, h = 1, 3, 5, 4, 2, 8
+  q = RNG.normal(size=(b, t, n, h)).astype(np.float32)
+  kk = RNG.normal(size=(b, k, s, h)).astype(np.float32)
+  v = RNG.normal(size=(b, k, s, h)).astype(np.float32)
+  mask = RNG.random((b, t, s)) > 0.3
+  mask[..., 0] = True
+  pos = jnp.broadcast_to(jnp.arange(s), (b, s))
+  blocks = [(jnp.asarray(kk[:, :, :2]), jnp.asarray(v[:, :, :2]), pos[:, :2]),  # split in two blocks
+            (jnp.asarray(kk[:, :, 2:]), jnp.asarray(v[:, :, 2:]), pos[:, 2:])]
+  mask_fn = lambda k_pos: jnp.asarray(mask)[:, :, k_pos[0]]  # noqa: E731
+  out = np.asarray(L.attend(jnp.asarray(q), blocks, mask_fn, None))
+  np.testing.assert_allclose(out, _numpy_attention(q, kk, v, mask), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("limit, chunk", [(13, 4), (12, 4), (3, 8), (20, 6), (1, 3)])
 def test_attention_read_in_chunks_up_to_a_limit_matches_numpy(limit, chunk):
   """A cache block with a limit is folded in `chunk` keys at a time (online softmax); keys past
@@ -113,14 +107,15 @@ def test_attention_read_in_chunks_up_to_a_limit_matches_numpy(limit, chunk):
   v = RNG.normal(size=(b, k, s + t, h)).astype(np.float32)
   pos = np.where(np.arange(s) < limit, np.arange(s), -1)[None].repeat(b, 0)
   pos[1, limit // 2:] = -1  # a shorter row
-  mask = np.concatenate([(pos >= 0)[:, None, :].repeat(t, 1), np.tril(np.ones((t, t), bool))[None].repeat(b, 0)], -1)
+  q_pos = limit + np.arange(t)[None].repeat(b, 0)  # the new tokens, after the cache
+  k_pos = np.concatenate([pos, q_pos], axis=1)
+  mask = (k_pos[:, None, :] >= 0) & (k_pos[:, None, :] <= q_pos[:, :, None])
   # Past the chunk that holds the limit, values are NaN: reading them would make the output NaN.
   v[:, :, -(-limit // chunk) * chunk:s] = np.nan
-  mask_fn = lambda k_pos: k_pos[:, None, :] >= 0 if k_pos.shape[1] != t else jnp.asarray(mask[:, :, s:])  # noqa: E731
   blocks = [(jnp.asarray(kk[:, :, :s]), jnp.asarray(v[:, :, :s]), jnp.asarray(pos), jnp.int32(limit)),
-            (jnp.asarray(kk[:, :, s:]), jnp.asarray(v[:, :, s:]), jnp.asarray(np.full((b, t), 99)))]
+            (jnp.asarray(kk[:, :, s:]), jnp.asarray(v[:, :, s:]), jnp.asarray(q_pos))]
   for softcap in (None, 5.0):
-    out = np.asarray(L.attend(jnp.asarray(q), blocks, lambda p: jnp.broadcast_to(mask_fn(p), (b, t, p.shape[1])),
+    out = np.asarray(L.attend(jnp.asarray(q), blocks, lambda kp: L.attention_mask(jnp.asarray(q_pos), kp, None),
                               softcap, chunk=chunk))
     np.testing.assert_allclose(out, _numpy_attention(q, kk, np.nan_to_num(v), mask, softcap), rtol=1e-5, atol=1e-5)
 
