@@ -79,10 +79,11 @@ class _CacheHook:
     blocks = [mine] if self.fresh else [(layer.k, layer.v, kvc.layer_positions(layer, self.start, ring), limit), mine]
 
     def store(after):
-      # An exact zero computed from the attention output: it orders the in-place write after
-      # every read of the old entries. Without this data dependence XLA cannot prove the order
-      # and copies the whole layer (XLA:CPU: 2-4 copies of every cache array per step).
-      zero = jnp.zeros((), k.dtype) * jnp.sum(after).astype(k.dtype)
+      # An exact zero per row computed from the attention output: it orders the in-place write
+      # after every read of the old entries. Without this data dependence XLA cannot prove the
+      # order and copies the whole layer (XLA:CPU: 2-4 copies of every cache array per step).
+      # Per row, so a row whose output is not finite spoils no other row's cache.
+      zero = (0 * jnp.sum(after, axis=(1, 2, 3))).astype(k.dtype)[:, None, None, None]
       self.layers.append(kvc.write(layer, k + zero, v + zero, self.start, self.counts))
 
     return blocks, store

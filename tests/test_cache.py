@@ -5,6 +5,7 @@ layers wraps many times, also inside one prefill chunk.
 """
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -133,3 +134,41 @@ def test_bench_counts_the_kv_entries_attention_reads():
   # One past a chunk: two chunks; at the end, never more than the layer holds.
   assert kv_bytes_read(cache, ATTN_CHUNK + 1) == entry * (ring * 9 + full * 2 * ATTN_CHUNK)
   assert kv_bytes_read(cache, max_len) == entry * (ring * 9 + full * (max_len + 1))
+
+
+def _cache_copies(hlo: str, shapes) -> list[str]:
+  """Copy instructions of the entry computation whose result has a cache array's shape."""
+  entry = hlo[hlo.index("\nENTRY"):]
+  dims = {",".join(map(str, s.shape)) for s in shapes}
+  found = []
+  for line in entry.splitlines():
+    m = re.match(r"\s+%copy[.\d]* = \w+\[([\d,]*)\]", line)
+    if m and m.group(1) in dims:
+      found.append(line.strip()[:120])
+  return found
+
+
+def test_decode_step_updates_the_cache_in_place():
+  """The compiled decode step writes the new entries into the donated cache without copying it
+  (XLA copies every layer when it cannot order the write after attention's reads)."""
+  from conftest import ToyTokenizer
+  from jaxgen.decode.engine import Engine
+
+  cfg = tiny_config()
+  eng = Engine(tiny_model(cfg), ToyTokenizer(cfg.vocab_size), max_batch=2, max_len=64)
+  hlo = eng.programs.decode.lower(eng.params, eng.state, np.ones(2, np.bool_), np.bool_(False)).compile().as_text()
+  layers = eng.state.cache.layers
+  assert _cache_copies(hlo, [l.k for l in layers]) == []
+
+
+def test_a_row_with_a_non_finite_attention_output_spoils_only_its_own_cache_entries():
+  cfg = tiny_config()
+  cache = kvc.allocate(cfg, kvc.CacheSpec(2, 16))
+  start = jnp.array([3, 5], jnp.int32)
+  hook = steps._CacheHook(cfg, cache, start, jnp.ones(2, jnp.int32), start[:, None], fresh=False)
+  k = jnp.ones((2, 1, cfg.num_kv_heads, cfg.head_dim))
+  _, store = hook(0, k, k)
+  after = jnp.zeros((2, 1, cfg.num_heads, cfg.head_dim)).at[0].set(jnp.nan)
+  store(after)
+  written = hook.layers[0].k[1, :, 5]  # row 1's new entry
+  np.testing.assert_array_equal(np.asarray(written), 1.0)
