@@ -130,14 +130,14 @@ def _dummy_request(eng, n):
 
 def kv_bytes_read(cache, length: int) -> int:
   """KV bytes a decode step reads when every row holds `length` tokens: attention reads each layer
-  in whole chunks of `ATTN_CHUNK` entries up to the filled length (see `layers.attend`)."""
+  in whole chunks of `attn_chunk` entries up to the filled length (see `layers.attend`)."""
   from jaxgen.decode.cache import capacity
-  from jaxgen.model.layers import ATTN_CHUNK
+  from jaxgen.model.layers import attn_chunk
 
   total = 0
   for layer in cache.layers:
-    size = layer.k.shape[2]
-    c = min(ATTN_CHUNK, size)
+    b, kh, size, _ = layer.k.shape
+    c = min(attn_chunk(b * kh, 1), size)
     entries = min(-(-min(length, capacity(layer)) // c) * c, size)
     total += int(layer.k.nbytes + layer.v.nbytes) * entries // size
   return total

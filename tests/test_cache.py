@@ -121,18 +121,19 @@ def test_attention_reads_only_up_to_the_longest_row_taking_tokens():
 def test_bench_counts_the_kv_entries_attention_reads():
   """`jaxgen bench`'s MBU counts whole chunks up to the filled length, the scratch entry at most."""
   from jaxgen.decode.bench import kv_bytes_read
-  from jaxgen.model.layers import ATTN_CHUNK
+  from jaxgen.model.layers import attn_chunk
 
   cfg = tiny_config()  # window 8: ring layers hold 8 entries (+1 scratch), global ones max_len (+1)
-  max_len = 2 * ATTN_CHUNK + 10
+  chunk = attn_chunk(2 * cfg.num_kv_heads, 1)
+  max_len = 2 * chunk + 10
   cache = kvc.allocate(cfg, kvc.CacheSpec(2, max_len))
   entry = 2 * 2 * cfg.num_kv_heads * cfg.head_dim * 4  # k and v, 2 rows, float32
   ring = cfg.layer_kinds.count(LOCAL)
   full = cfg.num_layers - ring
   # 5 tokens: ring layers read all 9 entries (smaller than a chunk), global ones one chunk.
-  assert kv_bytes_read(cache, 5) == entry * (ring * 9 + full * ATTN_CHUNK)
+  assert kv_bytes_read(cache, 5) == entry * (ring * 9 + full * chunk)
   # One past a chunk: two chunks; at the end, never more than the layer holds.
-  assert kv_bytes_read(cache, ATTN_CHUNK + 1) == entry * (ring * 9 + full * 2 * ATTN_CHUNK)
+  assert kv_bytes_read(cache, chunk + 1) == entry * (ring * 9 + full * 2 * chunk)
   assert kv_bytes_read(cache, max_len) == entry * (ring * 9 + full * (max_len + 1))
 
 
