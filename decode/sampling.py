@@ -58,7 +58,7 @@ class SamplerState:
 @flax.struct.dataclass
 class SampleOut:
   tokens: jax.Array  # i32 [B]
-  logprob: jax.Array  # f32 [B]: raw log-probability of the chosen token
+  logprob: jax.Array  # f32 [B]: raw log-probability of the chosen token (0 unless asked for)
   top_ids: jax.Array  # i32 [B, MAX_LOGPROBS]
   top_logprobs: jax.Array  # f32 [B, MAX_LOGPROBS]
 
@@ -219,15 +219,16 @@ def sample(logits: jax.Array, state: SamplerState, positions: jax.Array, want_lo
   drawn = jax.lax.cond(jnp.any(sampling), lambda: _draw(x / temp[:, None], p, u), lambda: greedy_tok)
   tokens = jnp.where(sampling, drawn, greedy_tok)
 
-  lse = jax.nn.logsumexp(logits, axis=-1)
-  chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - lse
-
+  # Log-probabilities only when a row asked for them: the logsumexp over V is a full pass over
+  # the logits (batch 16 on CPU: ~3.5 ms a step).
   def top():
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - lse
     vals, ids = top_candidates(logits, MAX_LOGPROBS)
-    return ids, vals - lse[:, None]
+    return chosen, ids, vals - lse[:, None]
 
   def no_top():
-    return jnp.zeros((b, MAX_LOGPROBS), jnp.int32), jnp.zeros((b, MAX_LOGPROBS), jnp.float32)
+    return jnp.zeros((b,), jnp.float32), jnp.zeros((b, MAX_LOGPROBS), jnp.int32), jnp.zeros((b, MAX_LOGPROBS), jnp.float32)
 
-  top_ids, top_lp = jax.lax.cond(want_logprobs, top, no_top)
+  chosen, top_ids, top_lp = jax.lax.cond(want_logprobs, top, no_top)
   return SampleOut(tokens, chosen, top_ids, top_lp)
