@@ -100,7 +100,9 @@ def test_grouped_attention_matches_numpy():
 @pytest.mark.parametrize("limit, chunk", [(13, 4), (12, 4), (3, 8), (20, 6), (1, 3)])
 def test_attention_read_in_chunks_up_to_a_limit_matches_numpy(limit, chunk):
   """A cache block with a limit is folded in `chunk` keys at a time (online softmax); keys past
-  the limit are never read, including when the last chunk is moved back to fit (20 keys, 6)."""
+  the limit are never read, including when the last chunk is moved back to fit (20 keys, 6).
+  Chunks of 6 and 8 keys outnumber the 4 query rows (T x G), so their score matmul takes the
+  keys-on-the-left form that decode uses; chunks of 3 and 4 take the queries-on-the-left one."""
   b, t, s, n, k, h = 2, 2, 20, 4, 2, 8
   q = RNG.normal(size=(b, t, n, h)).astype(np.float32)
   kk = RNG.normal(size=(b, k, s + t, h)).astype(np.float32)
