@@ -6,10 +6,13 @@ Statistics (norms, softmax) are computed in float32 whatever the parameter dtype
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
 import jax.numpy as jnp
+
+from jaxgen.model import cpu_kernels
 
 # A mask value that survives bf16 and soft-capping, and exp() of which is exactly 0 in float32.
 NEG_INF = -2.3819763e38
@@ -88,6 +91,18 @@ def attention_mask(q_pos: jax.Array, k_pos: jax.Array, window: int | None) -> ja
   return mask
 
 
+@dataclasses.dataclass(frozen=True)
+class CausalMask:
+  """`attention_mask(q_pos, ., window)` as a function of key positions, its arguments visible (the
+  CPU attention kernel applies the same rule itself). q_pos: [B, T]."""
+
+  q_pos: jax.Array
+  window: int | None
+
+  def __call__(self, k_pos: jax.Array) -> jax.Array:
+    return attention_mask(self.q_pos, k_pos, self.window)
+
+
 def attend(q: jax.Array, blocks, mask_fn, softcap: float | None, chunk: int | None = None) -> jax.Array:
   """Grouped-query attention over one or more blocks of keys. q: [B, T, N, H] (already scaled).
 
@@ -95,7 +110,9 @@ def attend(q: jax.Array, blocks, mask_fn, softcap: float | None, chunk: int | No
   and the new tokens: scores are joined, never the keys, so a cache is read where it lies and not
   copied. A block with a `limit` (traced int: no key at index >= limit is visible to any row) is
   read `chunk` keys (default `attn_chunk`) at a time up to the limit (online softmax), so a mostly
-  empty cache costs what its filled part does. mask_fn(key positions) -> bool [B, T, S_i].
+  empty cache costs what its filled part does. mask_fn(key positions) -> bool [B, T, S_i]; with a
+  `CausalMask`, float32 decode queries and cache, the limited blocks go to `cpu_kernels.
+  cache_attention` where it fits the process (same rule, no copies of the cache).
   Returns [B, T, N, H].
   Query head n uses kv head n // G (G = N / K): the G heads and T queries of one kv head are the
   rows of one matmul batched over (B, K).
@@ -143,9 +160,20 @@ def attend(q: jax.Array, blocks, mask_fn, softcap: float | None, chunk: int | No
       at += k.shape[2]
     run = (m, jnp.sum(p, axis=-1, keepdims=True), total)
   for k, v, pos, limit in limited:
-    run = _online_blocks(run, k, v, pos, limit, min(chunk, k.shape[2]), scores, weighted)
+    if _cpu_attention_fits(qg, k, v, mask_fn):
+      q_rows = jnp.repeat(mask_fn.q_pos, g, axis=1)  # [B, T*G]
+      run = cpu_kernels.cache_attention(qg, k, v, pos, q_rows, limit, run, mask_fn.window, softcap)
+    else:
+      run = _online_blocks(run, k, v, pos, limit, min(chunk, k.shape[2]), scores, weighted)
   out = run[2] / run[1]
   return out.reshape(b, kh, t, g, h).transpose(0, 2, 1, 3, 4).reshape(b, t, n, h).astype(q.dtype)
+
+
+def _cpu_attention_fits(qg: jax.Array, k: jax.Array, v: jax.Array, mask_fn) -> bool:
+  """Decode-sized query rows (a prompt chunk's many rows are real matmuls, which XLA runs well),
+  float32 queries and cache, a head dim the kernel's 16-lane vectors divide, a known mask."""
+  return (isinstance(mask_fn, CausalMask) and qg.shape[2] <= cpu_kernels.MAX_ROWS and qg.shape[3] % 16 == 0
+          and qg.dtype == k.dtype == v.dtype == jnp.float32 and cpu_kernels.fits_this_process())
 
 
 def _online_blocks(run, k, v, pos, limit, c: int, scores, weighted):
@@ -178,16 +206,27 @@ def linear(x: jax.Array, w: jax.Array) -> jax.Array:
   keeps activations float32) take the formulation measured fastest for the shape (benchmarks/
   matmul_forms.py): a single row (batch-1 decode) upcasts the weight inside the matvec, which XLA
   fuses into one pass over the 16-bit bytes; more rows round the activations to the weight dtype
-  and accumulate in float32, which runs on the CPU's native bf16 dot units. The other choices are
-  10-40x slower (XLA:CPU's cliffs), so this is a performance decision, not a numerical one.
+  and accumulate in float32 on the CPU's bf16 dot units, through jaxgen's own kernel
+  (`cpu_kernels`) where it can run, else through XLA's matmul. The other choices are 10-40x slower
+  (XLA:CPU's cliffs), so this is a performance decision, not a numerical one.
   """
   if w.dtype == x.dtype:
     return x @ w.T
   rows = math.prod(x.shape[:-1])
   if rows == 1:
     return _materialize(x) @ w.astype(x.dtype).T
+  if _cpu_kernel_fits(rows, w):
+    y = cpu_kernels.matmul(x.reshape(rows, -1).astype(w.dtype), w)
+    return y.reshape(*x.shape[:-1], w.shape[0]).astype(x.dtype)
   dims = (((x.ndim - 1,), (1,)), ((), ()))
   return jax.lax.dot_general(x.astype(w.dtype), w, dims, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def _cpu_kernel_fits(rows: int, w: jax.Array) -> bool:
+  """Whether `cpu_kernels.matmul` takes this product: bf16 weights, decode-sized row counts (prompt
+  chunks are large matmuls, which XLA runs well), a K the kernel's 32-wide steps divide."""
+  return (w.dtype == jnp.bfloat16 and rows <= cpu_kernels.MAX_ROWS and w.shape[1] % 32 == 0
+          and cpu_kernels.fits_this_process())
 
 
 def _materialize(x: jax.Array) -> jax.Array:

@@ -99,7 +99,7 @@ class Block(nnx.Module):
     q, k, v = self.qkv(h, positions)
     mine = [(k.swapaxes(1, 2), v.swapaxes(1, 2), positions)]
     blocks, store = (mine, None) if kv_hook is None else kv_hook(k, v)
-    a = L.attend(q, blocks, lambda k_pos: L.attention_mask(positions, k_pos, window), cfg.attn_softcap)  # [B, T, N, H]
+    a = L.attend(q, blocks, L.CausalMask(positions, window), cfg.attn_softcap)  # [B, T, N, H]
     if store is not None:
       store(a)
     a = L.linear(a.reshape(*a.shape[:2], -1), self.o[...])

@@ -1,0 +1,113 @@
+"""CPU kernels for XLA:CPU (`cpu_kernels.cc`), compiled on first use.
+
+A batched decode step on a CPU spent most of its time in two places where XLA's generic code is
+weak: a few activation rows times every 16-bit weight (XLA:CPU's bf16 matmul runs at ~60-75% of
+its large-matmul rate there), and attention over the cache in small chunks (each chunk copied out
+of the cache, plus per-op overhead at every step of the loop). `matmul` and `cache_attention` do
+those two jobs on AVX-512 (BF16) instructions, reading weights and cache where they lie.
+
+They are used only where they can run: an x86-64 CPU with AVX-512 BF16, a C++ compiler, and
+`JAXGEN_CPU_KERNELS` not set to 0 (`available()`); and only in a process with one CPU device
+(`fits_this_process()`): the custom calls have no sharding rule, and since a process's devices
+never change, the choice made while tracing is the same for every program it compiles. Everywhere
+else the model keeps its XLA formulation; TPU and GPU never ask.
+
+The shared library is built once per source and jaxlib version into the user's cache directory
+(`$XDG_CACHE_HOME/jaxgen`, default `~/.cache/jaxgen`), with the FFI headers jaxlib ships.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import pathlib
+import platform
+import shutil
+import subprocess
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+MATMUL = "jaxgen_bf16_matmul"
+ATTENTION = "jaxgen_cache_attention"
+MAX_ROWS = 32  # rows a call takes: decode batches (matmul), query rows per kv head (attention);
+# from 64 matmul rows on, XLA's matmul is as fast (measured)
+_SOURCE = pathlib.Path(__file__).with_name("cpu_kernels.cc")
+_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]
+log = logging.getLogger(__name__)
+
+
+def _cache_dir() -> pathlib.Path:
+  root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+  return pathlib.Path(root) / "jaxgen"
+
+
+def _build(compiler: str) -> pathlib.Path:
+  source = _SOURCE.read_bytes()
+  key = hashlib.sha256(source + jax.__version__.encode() + " ".join(_FLAGS).encode()).hexdigest()[:16]
+  lib = _cache_dir() / f"cpu_kernels-{key}.so"
+  if lib.exists():
+    return lib
+  lib.parent.mkdir(parents=True, exist_ok=True)
+  with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:  # build aside, then move: safe under races
+    out = pathlib.Path(tmp) / lib.name
+    cmd = [compiler, *_FLAGS, f"-I{jax.ffi.include_dir()}", str(_SOURCE), "-o", str(out)]
+    subprocess.run(cmd, check=True, capture_output=True, text=True)
+    os.replace(out, lib)
+  return lib
+
+
+@functools.cache
+def available() -> bool:
+  """True when the kernels are built, loaded and registered for this CPU (decided once a process)."""
+  if os.environ.get("JAXGEN_CPU_KERNELS", "1") == "0":
+    return False
+  if platform.machine().lower() not in ("x86_64", "amd64"):
+    return False
+  compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("clang++")
+  if compiler is None:
+    return False
+  try:
+    lib = ctypes.CDLL(str(_build(compiler)))
+  except (OSError, subprocess.CalledProcessError) as e:
+    detail = getattr(e, "stderr", "") or str(e)
+    log.warning("jaxgen: CPU kernels not built, using XLA's own code (%s)", detail.strip()[-500:])
+    return False
+  if not lib.jaxgen_bf16_matmul_supported():
+    return False
+  jax.ffi.register_ffi_target(MATMUL, jax.ffi.pycapsule(lib.JaxgenBf16Matmul), platform="cpu")
+  jax.ffi.register_ffi_target(ATTENTION, jax.ffi.pycapsule(lib.JaxgenCacheAttention), platform="cpu")
+  return True
+
+
+def fits_this_process() -> bool:
+  """Whether programs traced now may call the kernels: XLA:CPU, one device, kernels available."""
+  return jax.default_backend() == "cpu" and jax.device_count() == 1 and available()
+
+
+def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+  """x [M, K] bf16 . w [N, K]^T bf16 -> float32 [M, N] (K a multiple of 32)."""
+  m, n = x.shape[0], w.shape[0]
+  return jax.ffi.ffi_call(MATMUL, jax.ShapeDtypeStruct((m, n), jnp.float32))(x, w)
+
+
+def cache_attention(q, k, v, k_pos, q_pos, limit, run, window: int | None, softcap: float | None):
+  """Folds keys [0, limit) of a float32 cache block into a running softmax state.
+
+  q [B, K, R, H] float32 (scaled; R query rows per kv head, H a multiple of 16); k, v [B, K, S, H]
+  float32; k_pos [B, S] int32 (-1: empty); q_pos [B, R] int32; limit: int32 scalar; run = (max
+  [B, K, R, 1], sum of exp [B, K, R, 1], weighted values [B, K, R, H]) float32. Visibility and
+  soft-capping as in `layers.attend`. Returns the new run.
+  """
+  m, l, acc = run
+  b, kh, r, h = q.shape
+  state = jax.ShapeDtypeStruct((b, kh, r), jnp.float32)
+  m, l, acc = jax.ffi.ffi_call(ATTENTION, (state, state, jax.ShapeDtypeStruct(acc.shape, jnp.float32)))(
+      q, k, v, k_pos.astype(jnp.int32), q_pos.astype(jnp.int32), jnp.asarray(limit, jnp.int32),
+      m[..., 0], l[..., 0], acc, window=np.int64(window or 0), softcap=np.float32(softcap or 0.0))
+  return m[..., None], l[..., None], acc
