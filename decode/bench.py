@@ -128,16 +128,22 @@ def _dummy_request(eng, n):
   return _Request("bench", None, [0] * n, _bench_params(1), 1, frozenset(), RequestMetrics(0.0, n))
 
 
-def kv_bytes_read(cache, length: int) -> int:
-  """KV bytes a decode step reads when every row holds `length` tokens: attention reads each layer
-  in whole chunks of `attn_chunk` entries up to the filled length (see `layers.attend`)."""
+def kv_bytes_read(cache, length: int, in_place: bool | None = None) -> int:
+  """KV bytes a decode step reads when every row holds `length` tokens. XLA's attention loop reads
+  each layer in whole chunks of `attn_chunk` entries up to the filled length (see `layers.attend`);
+  the CPU attention kernel (in_place; None: wherever this process's decode step uses it) reads just
+  the filled entries."""
   from jaxgen.decode.cache import capacity
+  from jaxgen.model import cpu_kernels
   from jaxgen.model.layers import attn_chunk
 
   total = 0
   for layer in cache.layers:
-    b, kh, size, _ = layer.k.shape
-    c = min(attn_chunk(b * kh, 1), size)
+    b, kh, size, h = layer.k.shape
+    kernel = in_place
+    if kernel is None:
+      kernel = layer.k.dtype == np.float32 and h % 16 == 0 and cpu_kernels.fits_this_process()
+    c = 1 if kernel else min(attn_chunk(b * kh, 1), size)
     entries = min(-(-min(length, capacity(layer)) // c) * c, size)
     total += int(layer.k.nbytes + layer.v.nbytes) * entries // size
   return total

@@ -119,8 +119,10 @@ def test_attention_reads_only_up_to_the_longest_row_taking_tokens():
 
 
 def test_bench_counts_the_kv_entries_attention_reads():
-  """`jaxgen bench`'s MBU counts whole chunks up to the filled length, the scratch entry at most."""
+  """`jaxgen bench`'s MBU counts what attention reads: whole chunks up to the filled length (XLA's
+  loop, the scratch entry at most) or just the filled entries (the CPU kernel, in place)."""
   from jaxgen.decode.bench import kv_bytes_read
+  from jaxgen.model import cpu_kernels
   from jaxgen.model.layers import attn_chunk
 
   cfg = tiny_config()  # window 8: ring layers hold 8 entries (+1 scratch), global ones max_len (+1)
@@ -131,10 +133,15 @@ def test_bench_counts_the_kv_entries_attention_reads():
   ring = cfg.layer_kinds.count(LOCAL)
   full = cfg.num_layers - ring
   # 5 tokens: ring layers read all 9 entries (smaller than a chunk), global ones one chunk.
-  assert kv_bytes_read(cache, 5) == entry * (ring * 9 + full * chunk)
+  assert kv_bytes_read(cache, 5, in_place=False) == entry * (ring * 9 + full * chunk)
   # One past a chunk: two chunks; at the end, never more than the layer holds.
-  assert kv_bytes_read(cache, chunk + 1) == entry * (ring * 9 + full * 2 * chunk)
-  assert kv_bytes_read(cache, max_len) == entry * (ring * 9 + full * (max_len + 1))
+  assert kv_bytes_read(cache, chunk + 1, in_place=False) == entry * (ring * 9 + full * 2 * chunk)
+  assert kv_bytes_read(cache, max_len, in_place=False) == entry * (ring * 9 + full * (max_len + 1))
+  # In place: the filled entries, up to a ring's window.
+  assert kv_bytes_read(cache, 5, in_place=True) == entry * (ring * 5 + full * 5)
+  assert kv_bytes_read(cache, chunk + 1, in_place=True) == entry * (ring * 8 + full * (chunk + 1))
+  # Unstated: as this process's decode step does (float32 cache, head dim 16).
+  assert kv_bytes_read(cache, 5) == kv_bytes_read(cache, 5, in_place=cpu_kernels.fits_this_process())
 
 
 def _cache_copies(hlo: str, shapes) -> list[str]:
