@@ -134,15 +134,12 @@ def kv_bytes_read(cache, length: int, in_place: bool | None = None) -> int:
   the CPU attention kernel (in_place; None: wherever this process's decode step uses it) reads just
   the filled entries."""
   from jaxgen.decode.cache import capacity
-  from jaxgen.model import cpu_kernels
-  from jaxgen.model.layers import attn_chunk
+  from jaxgen.model.layers import attn_chunk, reads_cache_in_place
 
   total = 0
   for layer in cache.layers:
     b, kh, size, h = layer.k.shape
-    kernel = in_place
-    if kernel is None:
-      kernel = layer.k.dtype == np.float32 and h % 16 == 0 and cpu_kernels.fits_this_process()
+    kernel = reads_cache_in_place(layer.k.dtype, h) if in_place is None else in_place
     c = 1 if kernel else min(attn_chunk(b * kh, 1), size)
     entries = min(-(-min(length, capacity(layer)) // c) * c, size)
     total += int(layer.k.nbytes + layer.v.nbytes) * entries // size

@@ -87,7 +87,7 @@ inline __m512 SumLanes16(const __m512* r) {
 }
 
 // One tile: rows [m, m + TM) of x against rows [n, n + TN) of w. Missing rows add zeros.
-// ahead: null, or the first of kTileN weight rows to pull into L1 meanwhile (a later tile's).
+// ahead: null, or the first of kTileN weight rows to pull into L2 meanwhile (a later tile's).
 template <int TM, int TN>
 inline void Tile(const uint16_t* x, const uint16_t* w, float* out, int64_t m, int64_t n, int64_t N,
                  int64_t K, const uint16_t* ahead) {
@@ -116,7 +116,7 @@ void Rows(const uint16_t* x, const uint16_t* w, float* out, int64_t M, int64_t n
   const int64_t next = n + kPrefetchTiles * kTileN;
   const uint16_t* ahead = next + kTileN <= N ? w + next * K : nullptr;
   int64_t m = 0;
-  for (; m + kTileM <= M; m += kTileM, ahead = nullptr) Tile<4, TN>(x, w, out, m, n, N, K, ahead);
+  for (; m + kTileM <= M; m += kTileM, ahead = nullptr) Tile<kTileM, TN>(x, w, out, m, n, N, K, ahead);
   switch (M - m) {
     case 3: Tile<3, TN>(x, w, out, m, n, N, K, ahead); break;
     case 2: Tile<2, TN>(x, w, out, m, n, N, K, ahead); break;

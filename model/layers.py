@@ -169,11 +169,18 @@ def attend(q: jax.Array, blocks, mask_fn, softcap: float | None, chunk: int | No
   return out.reshape(b, kh, t, g, h).transpose(0, 2, 1, 3, 4).reshape(b, t, n, h).astype(q.dtype)
 
 
+def reads_cache_in_place(dtype, head_dim: int, query_rows: int = 1) -> bool:
+  """Whether `attend` folds a limited block (a decode step's cache) in through the CPU attention
+  kernel: float32 keys and values, a head dim the kernel's 16-lane vectors divide, decode-sized
+  query rows per kv head (a prompt chunk's many rows are real matmuls, which XLA runs well)."""
+  return (jnp.dtype(dtype) == jnp.float32 and head_dim % 16 == 0 and query_rows <= cpu_kernels.MAX_ROWS
+          and cpu_kernels.fits_this_process())
+
+
 def _cpu_attention_fits(qg: jax.Array, k: jax.Array, v: jax.Array, mask_fn) -> bool:
-  """Decode-sized query rows (a prompt chunk's many rows are real matmuls, which XLA runs well),
-  float32 queries and cache, a head dim the kernel's 16-lane vectors divide, a known mask."""
-  return (isinstance(mask_fn, CausalMask) and qg.shape[2] <= cpu_kernels.MAX_ROWS and qg.shape[3] % 16 == 0
-          and qg.dtype == k.dtype == v.dtype == jnp.float32 and cpu_kernels.fits_this_process())
+  """`reads_cache_in_place` for float32 queries and a mask whose rule the kernel knows."""
+  return (isinstance(mask_fn, CausalMask) and qg.dtype == k.dtype == v.dtype
+          and reads_cache_in_place(k.dtype, qg.shape[3], qg.shape[2]))
 
 
 def _online_blocks(run, k, v, pos, limit, c: int, scores, weighted):
@@ -203,8 +210,8 @@ def linear(x: jax.Array, w: jax.Array) -> jax.Array:
   """x @ w.T with the weight stored [out, in]; returns x's dtype.
 
   Same dtypes: a plain matmul. 16-bit weights under float32 activations (XLA:CPU, where jaxgen
-  keeps activations float32) take the formulation measured fastest for the shape (benchmarks/
-  matmul_forms.py): a single row (batch-1 decode) upcasts the weight inside the matvec, which XLA
+  keeps activations float32) take the formulation measured fastest for the shape (README,
+  Performance): a single row (batch-1 decode) upcasts the weight inside the matvec, which XLA
   fuses into one pass over the 16-bit bytes; more rows round the activations to the weight dtype
   and accumulate in float32 on the CPU's bf16 dot units, through jaxgen's own kernel
   (`cpu_kernels`) where it can run, else through XLA's matmul. The other choices are 10-40x slower

@@ -122,8 +122,7 @@ def test_bench_counts_the_kv_entries_attention_reads():
   """`jaxgen bench`'s MBU counts what attention reads: whole chunks up to the filled length (XLA's
   loop, the scratch entry at most) or just the filled entries (the CPU kernel, in place)."""
   from jaxgen.decode.bench import kv_bytes_read
-  from jaxgen.model import cpu_kernels
-  from jaxgen.model.layers import attn_chunk
+  from jaxgen.model.layers import attn_chunk, reads_cache_in_place
 
   cfg = tiny_config()  # window 8: ring layers hold 8 entries (+1 scratch), global ones max_len (+1)
   chunk = attn_chunk(2 * cfg.num_kv_heads, 1)
@@ -141,7 +140,7 @@ def test_bench_counts_the_kv_entries_attention_reads():
   assert kv_bytes_read(cache, 5, in_place=True) == entry * (ring * 5 + full * 5)
   assert kv_bytes_read(cache, chunk + 1, in_place=True) == entry * (ring * 8 + full * (chunk + 1))
   # Unstated: as this process's decode step does (float32 cache, head dim 16).
-  assert kv_bytes_read(cache, 5) == kv_bytes_read(cache, 5, in_place=cpu_kernels.fits_this_process())
+  assert kv_bytes_read(cache, 5) == kv_bytes_read(cache, 5, in_place=reads_cache_in_place(np.float32, cfg.head_dim))
 
 
 def _cache_copies(hlo: str, shapes) -> list[str]:

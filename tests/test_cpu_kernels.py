@@ -31,7 +31,7 @@ def _cpu_has_bf16_dots() -> bool:
 
 
 CAN_RUN = (platform.machine().lower() in ("x86_64", "amd64") and _cpu_has_bf16_dots()
-           and shutil.which(os.environ.get("CXX") or "g++") is not None and jax.default_backend() == "cpu"
+           and (os.environ.get("CXX") or shutil.which("g++") or shutil.which("clang++")) is not None and jax.default_backend() == "cpu"
            and os.environ.get("JAXGEN_CPU_KERNELS", "1") != "0")
 needs_kernel = pytest.mark.skipif(not CAN_RUN, reason="needs x86-64 with AVX-512 BF16, a C++ compiler and XLA:CPU")
 
