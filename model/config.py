@@ -3,14 +3,15 @@
 Per-family differences (Gemma's (1 + w) norms, sandwich norms, q/k norms, GELU vs SiLU, embedding
 scale, soft-caps, local/global layer pattern) are fields here, not forks of the model code. Values
 that a format does not record (GGUF has no field for Gemma 3's local RoPE base or its 5:1 layer
-pattern) come from `FAMILY_DEFAULTS`, the published constants of each architecture.
+pattern) come from `FAMILY_DEFAULTS`, the published constants of each architecture. The readers
+that build a config from a checkpoint's metadata live in `jaxgen.checkpoints`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping
+from typing import Any
 
 GLOBAL, LOCAL = "global", "local"
 
@@ -40,6 +41,8 @@ class ModelConfig:
   # Llama 3.1+ frequency scaling on global layers: (factor, low_freq_factor, high_freq_factor,
   # original context length); None: plain RoPE. See `layers.llama3_frequencies`.
   rope_llama3: tuple[float, float, float, int] | None = None
+  # Per-frequency divisors [H/2] on global layers (llama.cpp stores Llama 3.1+ scaling this way).
+  rope_factors: tuple[float, ...] | None = None
   sliding_window: int | None = None  # W; None: every layer attends to the whole context
   layer_kinds: tuple[str, ...] = ()  # GLOBAL or LOCAL per layer
   query_scale: float = 0.0  # multiplies q; 0.0 means 1/sqrt(H)
@@ -61,6 +64,8 @@ class ModelConfig:
       raise ValueError("a layer is LOCAL but sliding_window is not set")
     if self.activation not in ("silu", "gelu_tanh"):
       raise ValueError(f"activation={self.activation!r}; expected 'silu' or 'gelu_tanh'")
+    if self.rope_factors is not None and len(self.rope_factors) != self.head_dim // 2:
+      raise ValueError(f"rope_factors has {len(self.rope_factors)} entries, expected head_dim / 2 = {self.head_dim // 2}")
 
   @property
   def q_scale(self) -> float:
@@ -97,59 +102,3 @@ def layer_pattern(num_layers: int, global_every: int | None, sliding_window: int
   if not sliding_window or not global_every:
     return (GLOBAL,) * num_layers
   return tuple(GLOBAL if (i + 1) % global_every == 0 else LOCAL for i in range(num_layers))
-
-
-def config_from_gguf_metadata(meta: Mapping[str, Any], source: str = "<gguf>") -> ModelConfig:
-  """Builds the config from GGUF key/values (`{arch}.embedding_length`, ...)."""
-  arch = meta.get("general.architecture")
-  if arch not in FAMILY_DEFAULTS:
-    raise ValueError(f"{source}: general.architecture={arch!r} is not supported; "
-                     f"supported: {sorted(FAMILY_DEFAULTS)}")
-  fam = dict(FAMILY_DEFAULTS[arch])
-
-  def get(key, default=None):
-    value = meta.get(f"{arch}.{key}", default)
-    if value is None:
-      raise ValueError(f"{source}: metadata key {arch}.{key} is missing")
-    return value
-
-  n_heads = int(get("attention.head_count"))
-  d = int(get("embedding_length"))
-  head_dim = int(get("attention.key_length", d // n_heads))
-  window = meta.get(f"{arch}.attention.sliding_window")
-  n_layers = int(get("block_count"))
-  vocab = meta.get(f"{arch}.vocab_size") or len(meta["tokenizer.ggml.tokens"])
-  query_scale = 0.0
-  if arch in ("gemma2", "gemma3"):
-    # Gemma scales queries by query_pre_attn_scalar**-0.5, which equals head_dim for these sizes.
-    query_scale = head_dim ** -0.5
-  rope_scale = 1.0
-  if meta.get(f"{arch}.rope.scaling.type") == "linear":
-    rope_scale = float(meta.get(f"{arch}.rope.scaling.factor", 1.0))
-  return ModelConfig(
-      family=arch,
-      vocab_size=int(vocab),
-      embed_dim=d,
-      num_layers=n_layers,
-      num_heads=n_heads,
-      num_kv_heads=int(get("attention.head_count_kv", n_heads)),
-      head_dim=head_dim,
-      mlp_dim=int(get("feed_forward_length")),
-      max_context=int(get("context_length")),
-      norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
-      norm_offset=fam["norm_offset"] if "norm_offset" in fam else 0.0,
-      rope_base=float(get("rope.freq_base", 10_000.0)),
-      rope_base_local=fam.get("rope_base_local", float(get("rope.freq_base", 10_000.0))),
-      rope_scale=rope_scale,
-      sliding_window=int(window) if window else None,
-      layer_kinds=layer_pattern(n_layers, fam.get("global_every"), int(window) if window else None),
-      query_scale=query_scale,
-      embed_scale=fam.get("embed_scale", False),
-      activation=fam["activation"],
-      qk_norm=fam.get("qk_norm", False),
-      sandwich_norm=fam.get("sandwich_norm", False),
-      qkv_bias=fam.get("qkv_bias", False),
-      tie_embeddings=fam.get("tie_embeddings", True),
-      final_softcap=fam.get("final_softcap"),
-      attn_softcap=fam.get("attn_softcap"),
-  )

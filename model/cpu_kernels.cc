@@ -224,7 +224,8 @@ void AttendPair(const float* q, const float* k, const float* v, const int32_t* k
   }
 }
 
-// q [B, K, R, H] (scaled), k and v [B, K, S, H], key positions [B, S], query positions [B, R],
+// q [B, K, R, H] (scaled), k and v [B', K, S, H] of which the first B rows are read (a decode step
+// over the lowest rows of a larger cache), key positions [B, S], query positions [B, R],
 // limit [] (no key at index >= limit is read), running state m, l [B, K, R] and acc [B, K, R, H]
 // -> the state with keys [0, limit) folded in.
 ffi::Error CacheAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
@@ -234,8 +235,9 @@ ffi::Error CacheAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
                               ffi::ResultBuffer<ffi::F32> m_out, ffi::ResultBuffer<ffi::F32> l_out,
                               ffi::ResultBuffer<ffi::F32> acc_out) {
   auto qd = q.dimensions(), kd = k.dimensions();
-  if (qd.size() != 4 || kd.size() != 4 || qd[0] != kd[0] || qd[1] != kd[1] || qd[3] != kd[3] || qd[3] % 16)
-    return ffi::Error::InvalidArgument("jaxgen_cache_attention: expected q [B, K, R, H], k [B, K, S, H], H % 16 == 0");
+  if (qd.size() != 4 || kd.size() != 4 || qd[0] > kd[0] || qd[1] != kd[1] || qd[3] != kd[3] || qd[3] % 16)
+    return ffi::Error::InvalidArgument(
+        "jaxgen_cache_attention: expected q [B, K, R, H], k [B' >= B, K, S, H], H % 16 == 0");
   const int64_t B = qd[0], KH = qd[1], R = qd[2], H = qd[3], S = kd[2];
   const int64_t lim = std::clamp<int64_t>(limit.typed_data()[0], 0, S);
   std::memcpy(m_out->typed_data(), m_in.typed_data(), m_in.size_bytes());

@@ -1,4 +1,4 @@
-"""CPU kernels for XLA:CPU (`cpu_kernels.cc`), compiled on first use.
+"""CPU kernels for XLA:CPU (`cpu_kernels.cc`), a plug-in behind `matmul` and `attention`.
 
 A batched decode step on a CPU spent most of its time in two places where XLA's generic code is
 weak: a few activation rows times every 16-bit weight (XLA:CPU's bf16 matmul runs at ~60-75% of
@@ -6,22 +6,20 @@ its large-matmul rate there), and attention over the cache in small chunks (each
 of the cache, plus per-op overhead at every step of the loop). `matmul` and `cache_attention` do
 those two jobs on AVX-512 (BF16) instructions, reading weights and cache where they lie.
 
-They are used only where they can run: an x86-64 CPU with AVX-512 BF16, a C++ compiler, and
-`JAXGEN_CPU_KERNELS` not set to 0 (`available()`); and only in a process with one CPU device
-(`fits_this_process()`): the custom calls have no sharding rule, and since a process's devices
-never change, the choice made while tracing is the same for every program it compiles. Everywhere
-else the model keeps its XLA formulation; TPU and GPU never ask.
-
+`status()` decides once per process, outside any trace, whether they can run here: an x86-64 CPU
+with AVX-512 BF16, a C++ compiler, `JAXGEN_CPU_KERNELS` not set to 0, and a build that succeeds.
 The shared library is built once per source and jaxlib version into the user's cache directory
-(`$XDG_CACHE_HOME/jaxgen`, default `~/.cache/jaxgen`), with the FFI headers jaxlib ships.
+(`$XDG_CACHE_HOME/jaxgen`, default `~/.cache/jaxgen`) with the FFI headers jaxlib ships. The
+`Platform` chooses them (and says why not, when not); they have no sharding rule, so a
+multi-device engine keeps XLA's formulation.
 """
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import hashlib
-import logging
 import os
 import pathlib
 import platform
@@ -39,18 +37,26 @@ MAX_ROWS = 32  # rows a call takes: decode batches (matmul), query rows per kv h
 # from 64 matmul rows on, XLA's matmul is as fast (measured)
 _SOURCE = pathlib.Path(__file__).with_name("cpu_kernels.cc")
 _FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]
-log = logging.getLogger(__name__)
 
 
-def _cache_dir() -> pathlib.Path:
+@dataclasses.dataclass(frozen=True)
+class Status:
+  """Whether the kernels run in this process, and why (or why not), in words."""
+
+  available: bool
+  reason: str
+  fault: bool = False  # True: this machine could run them but something failed (worth showing)
+
+
+def cache_dir() -> pathlib.Path:
   root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
   return pathlib.Path(root) / "jaxgen"
 
 
-def _build(compiler: str) -> pathlib.Path:
+def _build(compiler: str, directory: pathlib.Path) -> pathlib.Path:
   source = _SOURCE.read_bytes()
   key = hashlib.sha256(source + jax.__version__.encode() + " ".join(_FLAGS).encode()).hexdigest()[:16]
-  lib = _cache_dir() / f"cpu_kernels-{key}.so"
+  lib = directory / f"cpu_kernels-{key}.so"
   if lib.exists():
     return lib
   lib.parent.mkdir(parents=True, exist_ok=True)
@@ -62,32 +68,32 @@ def _build(compiler: str) -> pathlib.Path:
   return lib
 
 
-@functools.cache
-def available() -> bool:
-  """True when the kernels are built, loaded and registered for this CPU (decided once a process)."""
+def probe(compiler: str | None = None, directory: pathlib.Path | None = None) -> Status:
+  """Builds (or finds) the kernels, loads them and registers them with XLA. Not cached: see `status`."""
   if os.environ.get("JAXGEN_CPU_KERNELS", "1") == "0":
-    return False
-  if platform.machine().lower() not in ("x86_64", "amd64"):
-    return False
-  compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("clang++")
+    return Status(False, "turned off by JAXGEN_CPU_KERNELS=0")
+  machine = platform.machine().lower()
+  if machine not in ("x86_64", "amd64"):
+    return Status(False, f"they are written for x86-64 (AVX-512 BF16); this machine is {machine}")
+  compiler = compiler or os.environ.get("CXX") or shutil.which("g++") or shutil.which("clang++")
   if compiler is None:
-    return False
+    return Status(False, "no C++ compiler found to build them (install g++ or set CXX)", fault=True)
   try:
-    lib = ctypes.CDLL(str(_build(compiler)))
+    lib = ctypes.CDLL(str(_build(compiler, directory or cache_dir())))
   except (OSError, subprocess.CalledProcessError) as e:
-    detail = getattr(e, "stderr", "") or str(e)
-    log.warning("jaxgen: CPU kernels not built, using XLA's own code (%s)", detail.strip()[-500:])
-    return False
+    detail = (getattr(e, "stderr", "") or str(e)).strip().splitlines()
+    return Status(False, f"building them with {compiler} failed: {detail[-1][-300:] if detail else e}", fault=True)
   if not lib.jaxgen_bf16_matmul_supported():
-    return False
+    return Status(False, "this CPU lacks AVX-512 BF16 instructions")
   jax.ffi.register_ffi_target(MATMUL, jax.ffi.pycapsule(lib.JaxgenBf16Matmul), platform="cpu")
   jax.ffi.register_ffi_target(ATTENTION, jax.ffi.pycapsule(lib.JaxgenCacheAttention), platform="cpu")
-  return True
+  return Status(True, f"built with {os.path.basename(compiler)}, AVX-512 BF16 present")
 
 
-def fits_this_process() -> bool:
-  """Whether programs traced now may call the kernels: XLA:CPU, one device, kernels available."""
-  return jax.default_backend() == "cpu" and jax.device_count() == 1 and available()
+@functools.cache
+def status() -> Status:
+  """`probe()`, once per process (a process's CPU and its registered targets never change)."""
+  return probe()
 
 
 def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -99,10 +105,11 @@ def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
 def cache_attention(q, k, v, k_pos, q_pos, limit, run, window: int | None, softcap: float | None):
   """Folds keys [0, limit) of a float32 cache block into a running softmax state.
 
-  q [B, K, R, H] float32 (scaled; R query rows per kv head, H a multiple of 16); k, v [B, K, S, H]
-  float32; k_pos [B, S] int32 (-1: empty); q_pos [B, R] int32; limit: int32 scalar; run = (max
-  [B, K, R, 1], sum of exp [B, K, R, 1], weighted values [B, K, R, H]) float32. Visibility and
-  soft-capping as in `layers.attend`. Returns the new run.
+  q [B, K, R, H] float32 (scaled; R query rows per kv head, H a multiple of 16); k, v [B', K, S, H]
+  float32 with B' >= B (the first B rows are read, where they lie); k_pos [B, S] int32 (-1: empty);
+  q_pos [B, R] int32; limit: int32 scalar; run = (max [B, K, R, 1], sum of exp [B, K, R, 1],
+  weighted values [B, K, R, H]) float32. Visibility and soft-capping as in `attention`. Returns the
+  new run.
   """
   m, l, acc = run
   b, kh, r, h = q.shape

@@ -1,0 +1,107 @@
+"""What one decoder layer keeps of past tokens, and how a batch of rows reads and extends it.
+
+A `LayerCache` holds keys and values of many rows: k, v [B', K, S_l + 1, H], kv heads before the
+sequence so attention is a plain batched matmul over (B, K) with no relayout. By the layer's kind:
+- a global layer keeps the whole context: entry j holds position j;
+- a sliding-window layer keeps a ring of S_l = W entries: entry j holds the latest position p with
+  p % W == j. A long context pays full length in global layers only.
+The last entry (index S_l) is scratch: never attended, it absorbs the writes of padding and of
+rows that take no token, so every write is an unconditional in-place update (a conditional "drop"
+write makes XLA copy the whole layer).
+
+A layer call covers B rows (`Rows`): row b is cache row `index[b]` (or b), held `start[b]` tokens
+before the call and takes the first `count[b]` of the T new ones (positions start[b] + t). The
+positions of all held entries follow from `start`, so nothing else is stored.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from jaxgen.model.attention import KVBlock
+
+SCRATCH = 1  # extra entry per layer that takes writes meant for nowhere
+AXES = ("cache_batch", "kv_heads", "cache_seq", "head_dim")  # logical axes of k and v
+
+
+@flax.struct.dataclass
+class LayerCache:
+  k: jax.Array  # [B', K, S_l + 1, H]
+  v: jax.Array  # [B', K, S_l + 1, H]
+
+
+class Rows(NamedTuple):
+  """Which cache rows a layer call reads and extends, and how far."""
+
+  start: jax.Array  # [B] int32: tokens each row held before this call
+  count: jax.Array  # [B] int32: new tokens each row takes (the rest of T is padding)
+  index: jax.Array | None = None  # [B] int32: the cache row of each batch row; None: rows 0..B-1
+  fresh: bool = False  # static: the rows start empty (a first prompt chunk reads nothing back)
+
+
+def capacity(layer: LayerCache) -> int:
+  """Entries a layer holds (its length without the scratch entry)."""
+  return layer.k.shape[2] - SCRATCH
+
+
+def entry_positions(lengths: jax.Array, size: int, ring: bool) -> jax.Array:
+  """Position held by each of `size` entries, given rows holding `lengths` tokens. -> [B, size].
+
+  Global layer: entry j holds position j if j < length. Ring of W: entry j holds the latest
+  p < length with p % W == j. Empty entries get -1.
+  """
+  j = jnp.arange(size, dtype=jnp.int32)[None, :]
+  n = lengths[:, None]
+  p = (n - 1) - jnp.mod(n - 1 - j, size) if ring else j
+  return jnp.where((p >= 0) & (p < n), p, -1)
+
+
+def held(layer: LayerCache, rows: Rows, ring: bool) -> KVBlock:
+  """What the rows held before this call, as an attention block read where it lies.
+
+  Only the filled part is visible: no entry at or past the longest length of a row that takes
+  tokens now (or the ring's size). Rows that take none (finished or idle slots keep their old
+  lengths) have their output discarded and do not count.
+  """
+  size = capacity(layer)
+  pos = jnp.pad(entry_positions(rows.start, size, ring), ((0, 0), (0, SCRATCH)), constant_values=-1)
+  limit = jnp.minimum(jnp.max(jnp.where(rows.count > 0, rows.start, 0)), size)
+  return KVBlock(layer.k, layer.v, pos, limit, rows.index)
+
+
+def write(layer: LayerCache, k: jax.Array, v: jax.Array, rows: Rows, after: jax.Array) -> LayerCache:
+  """The layer with the rows' new entries written. k, v: [B, T, K, H] as the model computes them.
+
+  Position p goes to entry p % S_l. Only the last S_l of a row's new tokens are written (earlier
+  ones would be overwritten anyway on a ring), so real indices never collide; the rest go to the
+  scratch entry.
+
+  `after` is the attention output of this layer. The write is made to depend on it through an
+  exact zero per row: that orders the in-place update after every read of the old entries.
+  Without the data dependence XLA cannot prove the order and copies the whole layer (XLA:CPU:
+  2-4 copies of every cache array per step). Per row, so a row whose output is not finite spoils
+  no other row's entries.
+  """
+  b, t = k.shape[:2]
+  zero = (0 * jnp.sum(after, axis=tuple(range(1, after.ndim)))).astype(k.dtype)[:, None, None, None]
+  k, v = k + zero, v + zero
+  size = capacity(layer)
+  ti = jnp.arange(t, dtype=jnp.int32)[None, :]
+  keep = (ti < rows.count[:, None]) & (ti >= rows.count[:, None] - size)
+  idx = jnp.where(keep, jnp.mod(rows.start[:, None] + ti, size), size)  # index `size` is the scratch entry
+  row = jnp.arange(b, dtype=jnp.int32) if rows.index is None else rows.index
+  if b == 1 and t == 1:
+    # One entry: a plain in-place update (XLA lowers a one-element scatter to a select that
+    # reads the old entry first, which costs a copy of the whole layer every step).
+    at = (row[0], 0, idx[0, 0], 0)
+    return LayerCache(jax.lax.dynamic_update_slice(layer.k, k.swapaxes(1, 2).astype(layer.k.dtype), at),
+                      jax.lax.dynamic_update_slice(layer.v, v.swapaxes(1, 2).astype(layer.v.dtype), at))
+  rr = jnp.broadcast_to(row[:, None], (b, t))
+  # Advanced indices (rows, idx) around the kv-head slice put [B, T] first: values are [B, T, K, H].
+  unique = t == 1  # one write per row: no two updates meet, not even in the scratch entry
+  new_k = layer.k.at[rr, :, idx].set(k.astype(layer.k.dtype), mode="promise_in_bounds", unique_indices=unique)
+  new_v = layer.v.at[rr, :, idx].set(v.astype(layer.v.dtype), mode="promise_in_bounds", unique_indices=unique)
+  return LayerCache(new_k, new_v)

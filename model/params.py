@@ -1,0 +1,84 @@
+"""The model's parameters by name: their declared specs, and a live `Transformer` from named arrays.
+
+Names are dotted paths of the module tree ("embed", "layers.3.q", ...). Every reader (GGUF,
+safetensors, orbax) produces `{name: array}` in jaxgen's layout; `build_model` checks each against
+the declaration (presence, shape), casts it and places it; `assemble` sets the values of an
+abstract model. Specs, shardings and restore targets all come from `param_specs`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jaxgen.model.config import ModelConfig
+from jaxgen.model.transformer import Transformer
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+  shape: tuple[int, ...]
+  dtype: jnp.dtype
+  axes: tuple[str | None, ...]  # logical axis per dimension
+
+
+def path_str(path) -> str:
+  return ".".join(str(p) for p in path)
+
+
+def abstract_model(cfg: ModelConfig, dtype) -> Transformer:
+  """The model with ShapeDtypeStructs instead of arrays: no memory, no FLOPs."""
+  return nnx.eval_shape(lambda: Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+
+
+def param_specs(cfg: ModelConfig, dtype) -> dict[str, ParamSpec]:
+  """{name: ParamSpec} for every parameter, derived from the module code."""
+  _, state = nnx.split(abstract_model(cfg, dtype))
+  out = {}
+  for path, var in nnx.to_flat_state(state):
+    value = var.get_value()
+    out[path_str(path)] = ParamSpec(tuple(value.shape), value.dtype, tuple(var.get_metadata()["axes"]))
+  return out
+
+
+def assemble(cfg: ModelConfig, dtype, values: Mapping[str, jax.Array | np.ndarray]) -> Transformer:
+  """A Transformer whose parameter `name` is `values[name]` (arrays already cast and placed)."""
+  graphdef, state = nnx.split(abstract_model(cfg, dtype))
+  flat = nnx.to_flat_state(state)
+  for path, var in flat:
+    var.set_value(values[path_str(path)])
+  return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def flat_params(model: Transformer) -> dict[str, jax.Array]:
+  """{name: array}: the model's parameters by name."""
+  return {path_str(p): v.get_value() for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+
+
+def build_model(cfg: ModelConfig, arrays: Mapping[str, np.ndarray], dtype, source: str,
+                place: Callable[[str, np.ndarray], jax.Array] | None = None) -> Transformer:
+  """Assembles a Transformer from named host arrays. Raises naming the source and tensor on mismatch.
+
+  `place(name, host_array)` puts one (already cast) array on devices; the default is
+  `jnp.asarray` on the default device. Sharded loading passes a function that places shards.
+  """
+  specs = param_specs(cfg, dtype)
+  missing = sorted(set(specs) - set(arrays))
+  if missing:
+    raise ValueError(f"{source}: missing tensors for {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+  unexpected = sorted(set(arrays) - set(specs))
+  if unexpected:
+    raise ValueError(f"{source}: tensors the {cfg.family} model does not use: {unexpected[:5]}")
+  place = place or (lambda name, x: jnp.asarray(x))
+  np_dtype = jnp.dtype(dtype)
+  values = {}
+  for name, spec in specs.items():
+    got = tuple(arrays[name].shape)
+    if got != spec.shape:
+      raise ValueError(f"{source}: tensor {name} has shape {got}, expected {spec.shape}")
+    values[name] = place(name, np.asarray(arrays[name]).astype(np_dtype, copy=False))
+  return assemble(cfg, dtype, values)

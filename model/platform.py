@@ -1,0 +1,115 @@
+"""The `Platform`: where the programs run and how, decided once when an engine is built.
+
+It names the backend and device, the activation and cache dtypes, the largest prefill chunk, and
+which implementation serves each kernel op (`matmul.IMPLS`, `attention.IMPLS`), each with the
+reason it was chosen. `resolve()` reads the devices and probes the CPU kernels (which may build
+them, once per process); it must run outside any trace. The model's functions take the resolved
+`Platform` as a static argument and never look at the devices themselves.
+
+On TPU and GPU everything runs the plain XLA formulation in the weights' dtype. On XLA:CPU the
+activations are float32 whatever the weights' dtype (its 16-bit elementwise code is slow), the
+cache is float32, and the ops go to jaxgen's CPU kernels where they can run, else to XLA:CPU's
+own fastest formulations.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jaxgen.model import cpu_kernels
+
+DTYPES = ("float32", "bfloat16", "float16")
+CHOICES = ("auto", "xla", "cpu")  # what a user may ask for, per op
+
+
+@dataclasses.dataclass(frozen=True)
+class Platform:
+  """Hashable, so that the compiled programs can take it as a static argument."""
+
+  backend: str = "cpu"  # jax.default_backend()
+  device_kind: str = ""
+  devices: int = 1  # devices one program spans
+  activation_dtype: str | None = None  # None: the weights' dtype
+  cache_dtype: str = "float32"
+  prefill_chunk: int = 512  # the largest prompt chunk one prefill program takes
+  matmul: str = "xla"  # a key of matmul.IMPLS
+  attention: str = "xla"  # a key of attention.IMPLS
+  reasons: tuple[tuple[str, str], ...] = ()  # (op, why this implementation)
+  cpu_kernels: cpu_kernels.Status | None = None  # on CPU: whether jaxgen's kernels run here, and why
+
+  @property
+  def kernels(self) -> dict[str, str]:
+    return {"matmul": self.matmul, "attention": self.attention}
+
+  def why(self, op: str) -> str:
+    return dict(self.reasons).get(op, "")
+
+  def compute_dtype(self, weight_dtype) -> jnp.dtype:
+    return jnp.dtype(self.activation_dtype or weight_dtype)
+
+  def describe(self) -> dict:
+    """A JSON-ready summary (`jaxgen info`, `llm.platform`)."""
+    return dict(backend=self.backend, device_kind=self.device_kind, devices=self.devices,
+                activation_dtype=self.activation_dtype, cache_dtype=self.cache_dtype,
+                prefill_chunk=self.prefill_chunk, kernels=self.kernels, reasons=dict(self.reasons),
+                cpu_kernels=None if self.cpu_kernels is None else dataclasses.asdict(self.cpu_kernels))
+
+
+# The plain formulation everywhere, in the weights' dtype: the reference, and what TPU and GPU run.
+REFERENCE = Platform(backend="any", matmul="xla", attention="xla",
+                     reasons=(("matmul", "reference"), ("attention", "reference")))
+
+
+def resolve(weight_dtype: str, *, cache_dtype: str | None = None, devices: int = 1, matmul: str = "auto",
+            attention: str = "auto", prefill_chunk: int | None = None,
+            kernels: cpu_kernels.Status | None = None) -> Platform:
+  """The platform for an engine over `devices` devices of the default backend, weights in `weight_dtype`.
+
+  matmul / attention: "auto" (the fastest that runs here), "xla" (the plain formulation: what TPU
+  and GPU run; on CPU the float32 activations stay), or "cpu" (jaxgen's CPU kernels; a ValueError
+  where they cannot run). kernels: the CPU kernels' status (default: `cpu_kernels.status()`).
+  """
+  for name, value in (("matmul", matmul), ("attention", attention)):
+    if value not in CHOICES:
+      raise ValueError(f"{name}_impl={value!r} is not supported; choose one of {list(CHOICES)}")
+  if weight_dtype not in DTYPES:
+    raise ValueError(f"dtype={weight_dtype!r} is not supported; use one of {list(DTYPES)}")
+  backend = jax.default_backend()
+  kind = jax.devices()[0].device_kind
+  if backend != "cpu":
+    for name, value in (("matmul", matmul), ("attention", attention)):
+      if value == "cpu":
+        raise ValueError(f"{name}_impl='cpu' needs the CPU backend; this process runs on {backend}")
+    return Platform(backend, kind, devices, None, cache_dtype or weight_dtype, prefill_chunk or 1024, "xla", "xla",
+                    (("matmul", f"plain XLA formulation: {weight_dtype} is native on {backend}"),
+                     ("attention", "plain XLA formulation over the whole cache")))
+  cache_dtype = cache_dtype or "float32"
+  if devices > 1:
+    usable = cpu_kernels.Status(False, f"custom calls have no sharding rule; this engine spans {devices} devices")
+  else:
+    usable = kernels or cpu_kernels.status()
+  if (matmul == "cpu" or attention == "cpu") and not usable.available:
+    raise ValueError(f"the CPU kernels were asked for but cannot run: {usable.reason}")
+  sixteen = jnp.dtype(weight_dtype).itemsize == 2
+  if not sixteen:
+    mm, mm_why = "xla", f"{weight_dtype} weights: XLA's own matmul"
+  elif matmul == "xla":
+    mm, mm_why = "xla", "asked for (matmul_impl='xla'): weights widened to float32 before each matmul"
+  elif usable.available and weight_dtype == "bfloat16":
+    mm, mm_why = "cpu", "CPU kernel for 2-32 rows of bf16 weights (XLA's fused upcast matvec for 1 row, its matmul above)"
+  else:
+    mm = "xla_cpu"
+    mm_why = (f"XLA:CPU's fastest formulation per shape for {weight_dtype} weights"
+              + ("" if usable.available else f" (CPU kernels: {usable.reason})"))
+  if attention == "xla":
+    att, att_why = "xla", "asked for (attention_impl='xla'): the plain formulation over the whole cache"
+  elif usable.available and cache_dtype == "float32":
+    att, att_why = "cpu", "CPU kernel reads a float32 cache in place up to its filled length"
+  else:
+    att = "xla_chunked"
+    att_why = ("XLA:CPU reads the cache in chunks up to its filled length"
+               + ("" if usable.available else f" (CPU kernels: {usable.reason})"))
+  return Platform(backend, kind, devices, "float32", cache_dtype, prefill_chunk or 256, mm, att,
+                  (("matmul", mm_why), ("attention", att_why)), usable)
