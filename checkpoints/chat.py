@@ -24,7 +24,10 @@ import functools
 import json
 from typing import Any, Mapping, Sequence
 
+import jinja2
 from jaxgen.checkpoints.tokenizer import END_OF_TURN_TOKENS
+from jinja2.ext import Extension, loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 Message = Mapping[str, Any]
 
@@ -67,27 +70,24 @@ def _strftime_now(fmt: str) -> str:
   return datetime.datetime.now().strftime(fmt)
 
 
+class _Generation(Extension):
+  """`{% generation %}...{% endgeneration %}` (marks assistant text for training masks): renders its body."""
+
+  tags = {"generation"}
+
+  def parse(self, parser):
+    lineno = next(parser.stream).lineno
+    body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+    return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+  def _body(self, caller):
+    return caller()
+
+
 @functools.lru_cache(maxsize=16)
 def compile_template(source: str):
   """The compiled jinja2 template, in transformers' sandboxed environment."""
-  import jinja2
-  from jinja2.ext import Extension, loopcontrols
-  from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-  class Generation(Extension):
-    """`{% generation %}...{% endgeneration %}` (marks assistant text for training masks): renders its body."""
-
-    tags = {"generation"}
-
-    def parse(self, parser):
-      lineno = next(parser.stream).lineno
-      body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-      return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
-
-    def _body(self, caller):
-      return caller()
-
-  env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, Generation])
+  env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, _Generation])
   env.filters["tojson"] = _tojson
   env.globals["raise_exception"] = _raise_exception
   env.globals["strftime_now"] = _strftime_now
@@ -100,8 +100,6 @@ def compile_template(source: str):
 def render(template: str, messages: Sequence[Message], *, add_generation_prompt: bool = True,
            special_tokens: Mapping[str, str | None] | None = None, **kwargs) -> str:
   """The prompt text for `messages` ([{"role": ..., "content": ...}, ...])."""
-  import jinja2
-
   scope = dict(special_tokens or {})
   scope.update(kwargs)
   scope.setdefault("tools", None)

@@ -5,6 +5,13 @@ What llama.cpp's conversion changed, and is undone here:
 - Llama/Mistral q and k rows were permuted into the interleaved RoPE layout; jaxgen uses the
   rotate-half layout of the original checkpoints, so the permutation is inverted.
 - GGUF lists dims fastest-first; `gguf` hands back numpy order, which is [out, in] like jaxgen.
+- Llama 3.1+ RoPE scaling is stored as the tensor `rope_freqs.weight` (a divisor per frequency,
+  the "llama3" formula precomputed): it becomes `ModelConfig.rope_factors`.
+
+What GGUF does not record comes from documented tables: the per-family constants of
+`FAMILY_DEFAULTS`, and Gemma's query scale (`GEMMA_QUERY_PRE_ATTN_SCALAR`). A file whose config
+cannot be determined (an unknown Gemma size, a RoPE scaling type jaxgen does not implement) is
+refused rather than run with guessed numerics.
 """
 
 from __future__ import annotations
@@ -12,12 +19,30 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+from typing import Any, Mapping
 
+import gguf
 import numpy as np
-
-from jaxgen.model.config import ModelConfig, config_from_gguf_metadata
+from jaxgen.model.config import FAMILY_DEFAULTS, ModelConfig, layer_pattern
 
 GGUF_MAGIC = b"GGUF"
+ROPE_FREQS = "rope_freqs.weight"
+
+# Gemma scales queries by query_pre_attn_scalar ** -0.5, which GGUF has no key for (a converter may
+# write the resulting multiplier as `{arch}.attention.scale`, which is used when present).
+# llama.cpp decides it by model size, as here: the 27B models use embedding_length / head_count,
+# every other size head_dim. Keyed by (family, block_count, embedding_length); values from the
+# models' published configs.
+GEMMA_QUERY_PRE_ATTN_SCALAR = {
+    ("gemma2", 26, 2304): 256,  # Gemma 2 2B
+    ("gemma2", 42, 3584): 256,  # Gemma 2 9B
+    ("gemma2", 46, 4608): 144,  # Gemma 2 27B
+    ("gemma3", 18, 640): 256,  # Gemma 3 270M
+    ("gemma3", 26, 1152): 256,  # Gemma 3 1B
+    ("gemma3", 34, 2560): 256,  # Gemma 3 4B
+    ("gemma3", 48, 3840): 256,  # Gemma 3 12B
+    ("gemma3", 62, 5376): 168,  # Gemma 3 27B
+}
 
 # llama.cpp tensor name (after "blk.{i}.") -> jaxgen name (after "layers.{i}.").
 _LAYER_NAMES = {
@@ -43,8 +68,6 @@ _PERMUTED_QK = ("llama", "mistral")
 
 
 def _open(path: str):
-  import gguf
-
   if not os.path.exists(path):
     raise FileNotFoundError(f"model file {path!r} does not exist")
   with open(path, "rb") as f:
@@ -116,13 +139,100 @@ def fuse(cfg: ModelConfig, tensors: dict[str, np.ndarray], source: str,
   return out
 
 
+def _query_scale(arch: str, meta: Mapping[str, Any], n_layers: int, d: int, source: str) -> float:
+  """Gemma's query multiplier (see GEMMA_QUERY_PRE_ATTN_SCALAR); 0.0 (1/sqrt(H)) for the others."""
+  if arch not in ("gemma2", "gemma3"):
+    return 0.0
+  scale = meta.get(f"{arch}.attention.scale")
+  if scale:
+    return float(scale)
+  scalar = GEMMA_QUERY_PRE_ATTN_SCALAR.get((arch, n_layers, d))
+  if scalar is None:
+    known = ", ".join(f"{L} layers x {D}" for a, L, D in GEMMA_QUERY_PRE_ATTN_SCALAR if a == arch)
+    raise ValueError(f"{source}: the query scale of a {arch} model with {n_layers} layers of {d} cannot be "
+                     f"determined: GGUF does not record query_pre_attn_scalar and this is not a published size "
+                     f"({known}); add {arch}.attention.scale to the metadata, or load the Hugging Face directory")
+  return float(scalar) ** -0.5
+
+
+def _rope_scaling(arch: str, meta: Mapping[str, Any], source: str) -> dict:
+  """ModelConfig RoPE fields from the metadata's scaling keys (the rope_freqs tensor is read apart)."""
+  kind = meta.get(f"{arch}.rope.scaling.type", "none")
+  if kind == "none":
+    return {}
+  if kind == "linear":
+    return dict(rope_scale=float(meta.get(f"{arch}.rope.scaling.factor", 1.0)))
+  if kind == "llama3":
+    try:
+      return dict(rope_llama3=(float(meta[f"{arch}.rope.scaling.factor"]),
+                               float(meta[f"{arch}.rope.scaling.low_freq_factor"]),
+                               float(meta[f"{arch}.rope.scaling.high_freq_factor"]),
+                               int(meta[f"{arch}.rope.scaling.original_context_length"])))
+    except KeyError as e:
+      raise ValueError(f"{source}: rope.scaling.type='llama3' without {e.args[0]}") from None
+  raise ValueError(f"{source}: {arch}.rope.scaling.type={kind!r} is not implemented by jaxgen "
+                   "(supported: 'none', 'linear', 'llama3' and the rope_freqs tensor)")
+
+
+def _optional_float(x) -> float | None:
+  return None if x is None else float(x)
+
+
+def config_from_gguf_metadata(meta: Mapping[str, Any], source: str = "<gguf>") -> ModelConfig:
+  """Builds the config from GGUF key/values (`{arch}.embedding_length`, ...)."""
+  arch = meta.get("general.architecture")
+  if arch not in FAMILY_DEFAULTS:
+    raise ValueError(f"{source}: general.architecture={arch!r} is not supported; "
+                     f"supported: {sorted(FAMILY_DEFAULTS)}")
+  fam = dict(FAMILY_DEFAULTS[arch])
+
+  def get(key, default=None):
+    value = meta.get(f"{arch}.{key}", default)
+    if value is None:
+      raise ValueError(f"{source}: metadata key {arch}.{key} is missing")
+    return value
+
+  n_heads = int(get("attention.head_count"))
+  d = int(get("embedding_length"))
+  head_dim = int(get("attention.key_length", d // n_heads))
+  window = meta.get(f"{arch}.attention.sliding_window")
+  n_layers = int(get("block_count"))
+  vocab = meta.get(f"{arch}.vocab_size") or len(meta["tokenizer.ggml.tokens"])
+  base = float(get("rope.freq_base", 10_000.0))
+  return ModelConfig(
+      family=arch,
+      vocab_size=int(vocab),
+      embed_dim=d,
+      num_layers=n_layers,
+      num_heads=n_heads,
+      num_kv_heads=int(get("attention.head_count_kv", n_heads)),
+      head_dim=head_dim,
+      mlp_dim=int(get("feed_forward_length")),
+      max_context=int(get("context_length")),
+      norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+      norm_offset=fam.get("norm_offset", 0.0),
+      rope_base=base,
+      rope_base_local=float(meta.get(f"{arch}.rope.freq_base_swa", fam.get("rope_base_local", base))),
+      sliding_window=int(window) if window else None,
+      layer_kinds=layer_pattern(n_layers, fam.get("global_every"), int(window) if window else None),
+      query_scale=_query_scale(arch, meta, n_layers, d, source),
+      embed_scale=fam.get("embed_scale", False),
+      activation=fam["activation"],
+      qk_norm=fam.get("qk_norm", False),
+      sandwich_norm=fam.get("sandwich_norm", False),
+      qkv_bias=fam.get("qkv_bias", False),
+      tie_embeddings=fam.get("tie_embeddings", True),
+      final_softcap=_optional_float(meta.get(f"{arch}.final_logit_softcapping", fam.get("final_softcap"))),
+      attn_softcap=_optional_float(meta.get(f"{arch}.attn_logit_softcapping", fam.get("attn_softcap"))),
+      **_rope_scaling(arch, meta, source),
+  )
+
+
 def read_gguf(path: str, progress=None) -> tuple[ModelConfig, dict[str, np.ndarray], object]:
   """Returns (config, {jaxgen name: float32 ndarray}, reader). Tensors are dequantized on the host.
 
   `progress(n)`, when given, is called after each tensor (for a progress bar over `reader.tensors`).
   """
-  import gguf
-
   reader = _open(path)
   meta = metadata(reader)
   cfg = config_from_gguf_metadata(meta, source=repr(path))
@@ -132,16 +242,21 @@ def read_gguf(path: str, progress=None) -> tuple[ModelConfig, dict[str, np.ndarr
   arrays: dict[str, np.ndarray] = {}
   source_names: dict[str, str] = {}
   for t in reader.tensors:
-    name = _jaxgen_name(t.name)
-    if name is None:
-      if t.name.startswith("rope_freqs"):
-        continue  # llama 3.1 long-context factors, recomputed from the config
-      raise ValueError(f"{path!r}: tensor {t.name!r} has no place in the {cfg.family} model")
     try:
       w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
     except NotImplementedError as e:
       raise ValueError(f"{path!r}: tensor {t.name!r} uses {t.tensor_type.name}, which gguf cannot dequantize") from e
     w = w.reshape(tuple(int(d) for d in reversed(t.shape)))  # numpy order: [out, in]
+    if t.name == ROPE_FREQS:
+      if w.shape != (cfg.head_dim // 2,):
+        raise ValueError(f"{path!r}: tensor {ROPE_FREQS} has shape {w.shape}, expected ({cfg.head_dim // 2},)")
+      if cfg.rope_llama3 is not None or cfg.rope_scale != 1.0:
+        raise ValueError(f"{path!r}: both {ROPE_FREQS} and rope.scaling metadata are set; refusing to guess")
+      cfg = dataclasses.replace(cfg, rope_factors=tuple(float(x) for x in w))
+      continue
+    name = _jaxgen_name(t.name)
+    if name is None:
+      raise ValueError(f"{path!r}: tensor {t.name!r} has no place in the {cfg.family} model")
     if cfg.norm_offset and name.endswith("norm"):
       w = w - np.float32(cfg.norm_offset)
     heads = cfg.num_heads if name.endswith(".q") else cfg.num_kv_heads

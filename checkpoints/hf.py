@@ -20,8 +20,16 @@ from typing import Any, Callable, Mapping
 
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, so safetensors can return it)
 import numpy as np
-
-from jaxgen.model.config import FAMILY_DEFAULTS, GLOBAL, LOCAL, ModelConfig, layer_pattern
+from jaxgen.checkpoints.gguf import fuse
+from jaxgen.model.config import (
+  FAMILY_DEFAULTS,
+  GLOBAL,
+  LOCAL,
+  ModelConfig,
+  layer_pattern,
+)
+from jaxgen.model.params import param_specs
+from safetensors import SafetensorError, safe_open
 
 CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
@@ -67,6 +75,7 @@ FAMILIES: dict[str, Family] = {
     "mistral": Family("mistral", LLAMA_LAYER),
     "qwen2": Family("qwen2", LLAMA_LAYER),
     "qwen3": Family("qwen3", LLAMA_LAYER),
+    "gemma2": Family("gemma2", GEMMA_LAYER, tie_default=True),
     "gemma3_text": Family("gemma3", GEMMA_LAYER, tie_default=True),
     # Gemma 3 with its vision tower: only the language model is read.
     "gemma3": Family("gemma3", GEMMA_LAYER, decoder=("model.language_model.", "language_model.model."),
@@ -130,6 +139,8 @@ def _layer_kinds(c: Mapping[str, Any], model_type: str, n: int, source: str) -> 
   if model_type.startswith("gemma3"):
     every = c.get("sliding_window_pattern", c.get("_sliding_window_pattern", 6))
     return layer_pattern(n, every, window)
+  if model_type == "gemma2":
+    return layer_pattern(n, 2, window)
   if model_type in ("qwen2", "qwen3"):
     if not c.get("use_sliding_window") or not window:
       return (GLOBAL,) * n
@@ -143,7 +154,8 @@ def config_from_hf(raw: Mapping[str, Any], source: str = "<config.json>") -> Mod
   fam = _family(raw, source)
   c = (raw.get("text_config") or {}) if fam.text_config else raw
   model_type = raw["model_type"]
-  gemma = fam.name == "gemma3"
+  gemma = fam.name in ("gemma2", "gemma3")  # queries scaled by query_pre_attn_scalar ** -0.5
+  local_base = fam.name == "gemma3"  # sliding-window layers have a RoPE base of their own
   defaults = FAMILY_DEFAULTS[fam.name]
 
   def need(key):
@@ -163,11 +175,11 @@ def config_from_hf(raw: Mapping[str, Any], source: str = "<config.json>") -> Mod
   head_dim = int(c.get("head_dim") or d // n_heads)
   kinds = _layer_kinds(c, model_type, n_layers, source)
   window = int(c["sliding_window"]) if LOCAL in kinds else None
-  base, scale, llama3 = _rope(_rope_dict(c, "full_attention", gemma), source)
-  base_local, scale_local, llama3_local = _rope(_rope_dict(c, "sliding_attention", gemma), source)
+  base, scale, llama3 = _rope(_rope_dict(c, "full_attention", local_base), source)
+  base_local, scale_local, llama3_local = _rope(_rope_dict(c, "sliding_attention", local_base), source)
   if LOCAL in kinds and (scale_local != 1.0 or llama3_local is not None):
     raise ValueError(f"{source}: RoPE scaling on sliding-window layers is not supported")
-  if not gemma:
+  if not local_base:
     base_local = base  # one RoPE for every layer; a window does not change it
   return ModelConfig(
       family=fam.name,
@@ -245,8 +257,6 @@ def safetensors_files(path: str) -> dict[str, list[str]]:
 
 def _read_file(file: str, names: list[str], keep: Callable[[str], bool]):
   """Yields (name, ndarray) from one safetensors file; `names` empty means every tensor."""
-  from safetensors import SafetensorError, safe_open
-
   try:
     with safe_open(file, framework="numpy") as f:
       keys = list(f.keys())
@@ -281,9 +291,6 @@ def read_hf(path: str, progress: Callable[[int], None] | None = None) -> tuple[M
 
   `progress(n)` is called after each tensor read (for a progress bar).
   """
-  from jaxgen.checkpoints.gguf import fuse
-  from jaxgen.checkpoints.params import param_specs
-
   raw, cfg = read_config(path)
   fam = _family(raw, repr(path))
   files = safetensors_files(path)
@@ -307,14 +314,12 @@ def read_hf(path: str, progress: Callable[[int], None] | None = None) -> tuple[M
         progress(1)
   specs = param_specs(cfg, "float32")
   for name, w in arrays.items():  # fuse() checks the projections; the rest keep their shape
-    if name.rsplit(".", 1)[-1] not in FUSED and tuple(w.shape) != specs[name][0]:
-      raise ValueError(f"{path!r}: tensor {origin[name]} has shape {tuple(w.shape)}, expected {specs[name][0]}")
+    if name.rsplit(".", 1)[-1] not in FUSED and tuple(w.shape) != specs[name].shape:
+      raise ValueError(f"{path!r}: tensor {origin[name]} has shape {tuple(w.shape)}, expected {specs[name].shape}")
   return cfg, fuse(cfg, arrays, repr(path), names=origin)
 
 
 def _all_keys(files: Mapping[str, list[str]]) -> list[str]:
-  from safetensors import SafetensorError, safe_open
-
   keys = []
   for file in files:
     try:

@@ -17,9 +17,8 @@ import json
 import os
 from typing import Any
 
-from tokenizers import Tokenizer as Backend
-
 from jaxgen.checkpoints.tokenizer import Tokenizer
+from tokenizers import Tokenizer as Backend
 
 TOKENIZER = "tokenizer.json"
 SPECIAL_NAMES = ("bos", "eos", "pad", "unk")

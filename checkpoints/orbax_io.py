@@ -22,9 +22,14 @@ import os
 from typing import Callable, Mapping
 
 import jax
+import jax.numpy as jnp
 import numpy as np
-
+import orbax.checkpoint as ocp
+from etils import epath
+from jaxgen.checkpoints.tokenizer import Tokenizer
 from jaxgen.model.config import ModelConfig
+from jaxgen.model.params import assemble, flat_params, param_specs
+from tokenizers import Tokenizer as Backend
 
 FORMAT = "jaxgen-orbax"
 FORMAT_VERSION = 1
@@ -39,8 +44,6 @@ def is_orbax_dir(path: str) -> bool:
 
 
 def _checkpointer():
-  import orbax.checkpoint as ocp
-
   return ocp.Checkpointer(ocp.CompositeCheckpointHandler())
 
 
@@ -56,16 +59,6 @@ def _nest(flat: Mapping[str, object]) -> dict:
   return tree
 
 
-def flat_params(model) -> dict[str, object]:
-  """{"layers.0.q": array, ...}: the model's parameters by jaxgen name."""
-  from flax import nnx
-
-  from jaxgen.checkpoints.params import path_str
-
-  _, state = nnx.split(model)
-  return {path_str(p): v.get_value() for p, v in nnx.to_flat_state(state)}
-
-
 def _tokenizer_meta(tokenizer) -> dict:
   return dict(bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, unk_id=tokenizer.unk_id,
               add_bos=tokenizer.add_bos, add_eos=tokenizer.add_eos, extra_stop_ids=sorted(tokenizer.stop_ids),
@@ -77,8 +70,6 @@ def save(path: str, model, tokenizer, source: str = "") -> None:
 
   `path` must not exist. Use `convert.convert` for an all-or-nothing write beside the destination.
   """
-  import orbax.checkpoint as ocp
-
   path = os.path.abspath(path)
   if os.path.exists(path):
     raise FileExistsError(f"{path!r} already exists; orbax checkpoints are written to a new directory")
@@ -122,10 +113,6 @@ def config_from_metadata(meta: Mapping) -> ModelConfig:
 
 
 def tokenizer_from_checkpoint(path: str, meta: Mapping):
-  from tokenizers import Tokenizer as Backend
-
-  from jaxgen.checkpoints.tokenizer import Tokenizer
-
   file = os.path.join(path, TOKENIZER)
   if not os.path.isfile(file):
     raise FileNotFoundError(f"{path!r}: the checkpoint's tokenizer {TOKENIZER} is missing")
@@ -143,17 +130,11 @@ def restore(path: str, dtype=None,
   shards. place: instead, read each array to the host and hand it to `place(name, array)` (as
   `build_model` does). Neither: every array on the default device.
   """
-  import jax.numpy as jnp
-  import orbax.checkpoint as ocp
-  from flax import nnx
-
-  from jaxgen.checkpoints.params import abstract_model, param_specs, path_str
-
   path = os.path.abspath(path)
   meta = read_metadata(path)
   cfg = config_from_metadata(meta)
   dtype = jnp.dtype(dtype or meta["dtype"])
-  specs = {name: shape for name, (shape, _, _) in param_specs(cfg, dtype).items()}
+  specs = {name: s.shape for name, s in param_specs(cfg, dtype).items()}
   _check_saved(path, specs)
   if place is not None:
     args = ocp.args.PyTreeRestore(restore_args=_nest({n: ocp.RestoreArgs(restore_type=np.ndarray, dtype=dtype)
@@ -165,20 +146,13 @@ def restore(path: str, dtype=None,
     args = ocp.args.StandardRestore(_nest({n: jax.ShapeDtypeStruct(shape, dtype, sharding=shardings[n] if shardings
                                                                    else default) for n, shape in specs.items()}))
   values = dict(_leaves(_checkpointer().restore(path, args=ocp.args.Composite(params=args))["params"], join=True))
-  graphdef, state = nnx.split(abstract_model(cfg, dtype))
-  flat = nnx.to_flat_state(state)
-  for p, var in flat:
-    name = path_str(p)
-    var.set_value(values[name] if place is None else place(name, values[name]))
-  model = nnx.merge(graphdef, nnx.from_flat_state(flat))
-  return cfg, model, tokenizer_from_checkpoint(path, meta)
+  if place is not None:
+    values = {name: place(name, x) for name, x in values.items()}
+  return cfg, assemble(cfg, dtype, values), tokenizer_from_checkpoint(path, meta)
 
 
 def _check_saved(path: str, specs: Mapping[str, tuple[int, ...]]) -> None:
   """Every parameter the model declares is in the checkpoint, with its shape (names the tensor if not)."""
-  import orbax.checkpoint as ocp
-  from etils import epath
-
   saved = dict(_leaves(ocp.PyTreeCheckpointHandler().metadata(epath.Path(path) / "params").tree, join=True))
   for name, shape in specs.items():
     if name not in saved:

@@ -1,10 +1,10 @@
 """The memory planner: bytes per device of weights, KV cache, sampler state and working set.
 
-Computed from the same specs and rules that place the arrays (`rules.param_shardings`,
-`rules.state_shardings`), before anything is allocated or compiled: a layout that cannot divide
-is refused by the rules (ValueError naming the axis and sizes), one that cannot fit by
-`Plan.check()`. Weights, cache and sampler state are exact (every device holds an equal shard);
-the working set is an estimate of the largest program's temporaries.
+Computed from the same specs and rules that place the arrays (`rules.param_shardings`, and the
+state trees with their logical axes that the caller hands in), before anything is allocated or
+compiled: a layout that cannot divide is refused by the rules (ValueError naming the axis and
+sizes), one that cannot fit by `Plan.check()`. Weights, cache and sampler state are exact (every
+device holds an equal shard); the working set is an estimate of the largest program's temporaries.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
-
+from jaxgen.model.params import param_specs
 from jaxgen.sharding import rules
 from jaxgen.sharding.mesh import MeshConfig, as_mesh
 
@@ -61,30 +61,32 @@ class Plan:
     return "\n".join(lines)
 
 
-def plan(cfg, dtype, cache_spec, mesh: MeshConfig | Mesh, capacity: int | None = None) -> Plan:
-  """The plan for `cfg` weights in `dtype` and a cache of `cache_spec` on `mesh`.
+def plan(cfg, dtype, mesh: MeshConfig | Mesh, kv_cache, sampler, *, slots: int, max_len: int,
+         capacity: int | None = None) -> Plan:
+  """The plan for `cfg` weights in `dtype` and the given state on `mesh`.
 
+  kv_cache, sampler: (tree of ShapeDtypeStructs, the same tree of logical-axis tuples) each.
+  slots, max_len: the cache's rows and tokens per row (for the working-set estimate).
   `capacity` (bytes per device) defaults to what the first device reports (TPU/GPU; CPU reports
   nothing, and then `check()` only refuses what cannot divide). Raises ValueError for a layout
   that cannot divide; nothing is allocated or compiled.
   """
-  from jaxgen.checkpoints.params import param_specs
-
   mesh = as_mesh(mesh)
-  specs = param_specs(cfg, dtype)
   p_sh = rules.param_shardings(cfg, dtype, mesh)
-  weights = sum(rules.shard_bytes(p_sh[name], shape, dt) for name, (shape, dt, _) in specs.items())
-  state_shapes, _ = rules.state_axes(cfg, cache_spec)
-  s_sh = rules.state_shardings(cfg, cache_spec, mesh)
-  nbytes = jax.tree.map(lambda s, sh: rules.shard_bytes(sh, s.shape, s.dtype), state_shapes, s_sh)
-  kv_cache = sum(jax.tree.leaves(nbytes.cache))
-  sampler = sum(jax.tree.leaves(nbytes.sampler))
+  weights = sum(rules.shard_bytes(p_sh[name], s.shape, s.dtype) for name, s in param_specs(cfg, dtype).items())
+
+  def state_bytes(part, prefix):
+    shapes, axes = part
+    sh = rules.tree_shardings(shapes, axes, mesh, prefix)
+    return sum(jax.tree.leaves(jax.tree.map(lambda s, x: rules.shard_bytes(x, s.shape, s.dtype), shapes, sh)))
+
   sizes = dict(mesh.shape)
-  return Plan(sizes, weights, kv_cache, sampler, working_set(cfg, dtype, cache_spec, sizes),
-              _capacity(mesh) if capacity is None else capacity, _notes(cfg, sizes))
+  return Plan(sizes, weights, state_bytes(kv_cache, "cache."), state_bytes(sampler, "sampler."),
+              working_set(cfg, dtype, slots, max_len, sizes), _capacity(mesh) if capacity is None else capacity,
+              _notes(cfg, sizes))
 
 
-def working_set(cfg, dtype, cache_spec, sizes: dict[str, int], prefill_chunk: int = 512) -> int:
+def working_set(cfg, dtype, slots: int, max_len: int, sizes: dict[str, int], prefill_chunk: int = 512) -> int:
   """Estimated temporaries of the largest program (decode step or one prefill chunk), per device.
 
   Decode: the sampler works on float32 [B, V] logits (a few copies). Prefill of T tokens:
@@ -93,12 +95,12 @@ def working_set(cfg, dtype, cache_spec, sizes: dict[str, int], prefill_chunk: in
   """
   m = sizes["model"]
   f32 = 4
-  b, v = cache_spec.slots, cfg.vocab_size
+  b, v = slots, cfg.vocab_size
   decode = 4 * b * v * f32
-  t = min(prefill_chunk, cache_spec.max_len)
+  t = min(prefill_chunk, max_len)
   heads = cfg.num_heads // m
   acts = t * (4 * cfg.embed_dim + 2 * cfg.mlp_dim // m + 3 * heads * cfg.head_dim) * f32
-  scores = heads * t * (cache_spec.max_len + t) * f32
+  scores = heads * t * (max_len + t) * f32
   prefill = acts + scores + 4 * v * f32
   upcast = 0
   if jnp.dtype(dtype).itemsize < f32:

@@ -1,7 +1,7 @@
 """The one table from logical axes to mesh axes, and the shardings derived from it.
 
-Every parameter and state array names its dimensions with logical axes (`param_specs`,
-`CacheSpec.axes`); `RULES` says which mesh axis each logical axis is split over:
+Every parameter and state array names its dimensions with logical axes (`model.params.param_specs`,
+the decode state's axes); `RULES` says which mesh axis each logical axis is split over:
 
   heads, mlp       -> model  Megatron tensor parallel: q, kv and gate_up split by output
                              (column-parallel), o and down by input (row-parallel): one
@@ -27,8 +27,9 @@ from typing import Mapping
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from jaxgen.model.params import param_specs
 from jaxgen.sharding.mesh import MeshConfig, as_mesh
 
 RULES: dict[str, str | None] = {
@@ -92,11 +93,9 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 # ---------------------------------------------------------------------------------- parameters
 def param_shardings(cfg, dtype, mesh: Mesh | MeshConfig) -> dict[str, NamedSharding]:
-  """{parameter name: NamedSharding}, keyed like `jaxgen.checkpoints.params.param_specs`."""
-  from jaxgen.checkpoints.params import param_specs
-
+  """{parameter name: NamedSharding}, keyed like `model.params.param_specs`."""
   mesh = as_mesh(mesh)
-  return {name: named_sharding(name, shape, axes, mesh) for name, (shape, _, axes) in param_specs(cfg, dtype).items()}
+  return {name: named_sharding(name, s.shape, s.axes, mesh) for name, s in param_specs(cfg, dtype).items()}
 
 
 def param_tree(params: nnx.State, shardings: Mapping[str, NamedSharding]) -> nnx.State:
@@ -119,33 +118,18 @@ def placer(shardings: Mapping[str, NamedSharding]):
   return place
 
 
-# ------------------------------------------------------------------------------- decode state
-def state_axes(cfg, cache_spec):
-  """(shapes, axes): the decode state as ShapeDtypeStructs and, in the same tree, logical axes.
+# -------------------------------------------------------------------------------- other trees
+def tree_shardings(shapes, axes, mesh: Mesh | MeshConfig, prefix: str = ""):
+  """NamedShardings for a tree of ShapeDtypeStructs, given the same tree of logical-axis tuples.
 
-  Cache arrays carry `CacheSpec.axes`; every sampler array leads with the slot axis (`cache_batch`).
+  `axes` is a tree whose leaves are tuples (one logical name or None per dimension), in the
+  structure of `shapes`; names in errors are `prefix` + the leaf's path.
   """
-  from jaxgen.decode.steps import DecodeState, init_state
-
-  shapes = jax.eval_shape(lambda: init_state(cfg, cache_spec))
-  sampler_axes = jax.tree.map(lambda s: ("cache_batch",) + (None,) * (len(s.shape) - 1), shapes.sampler)
-  return shapes, DecodeState(cache_spec.axes(cfg), sampler_axes)
-
-
-def state_shardings(cfg, cache_spec, mesh: Mesh | MeshConfig):
-  """A `DecodeState` tree of NamedShardings for `init_state(cfg, cache_spec)`."""
   mesh = as_mesh(mesh)
-  shapes, axes = state_axes(cfg, cache_spec)
   paths = jax.tree_util.tree_flatten_with_path(shapes)[0]
-  names = iter(jax.tree_util.keystr(p, simple=True, separator=".") for p, _ in paths)
-  return jax.tree.map(lambda s, a: named_sharding(f"state.{next(names)}", s.shape, a, mesh), shapes, axes)
-
-
-def engine_shardings(cfg, dtype, cache_spec, mesh: Mesh | MeshConfig, params: nnx.State) -> dict:
-  """{'params': State of shardings, 'state': DecodeState of shardings}: what `Engine(shardings=)` takes."""
-  mesh = as_mesh(mesh)
-  return {"params": param_tree(params, param_shardings(cfg, dtype, mesh)),
-          "state": state_shardings(cfg, cache_spec, mesh)}
+  names = iter(prefix + jax.tree_util.keystr(p, simple=True, separator=".") for p, _ in paths)
+  return jax.tree.map(lambda s, a: named_sharding(next(names), s.shape, a, mesh), shapes, axes,
+                      is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
 
 
 def shard_shape(sharding: NamedSharding, shape) -> tuple[int, ...]:

