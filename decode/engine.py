@@ -1,13 +1,17 @@
 """The continuous-batching engine: a fixed set of cache slots, a queue, and a host loop.
 
 Policy of one `step()`:
-1. Admission: while slots are free, the oldest waiting request is prefilled into one (a request
-   with n samples takes n slots: one prefill, then its rows are forked). A prompt longer than the
-   largest bucket is prefilled in chunks of that size, one chunk per step, so running requests
-   keep decoding between the chunks of a long prompt; at most `prefill_token_budget` prompt
-   tokens are prefilled per step.
-2. One decode step for every running row.
-3. The results of the *previous* step are read back and turned into text, stop checks and
+1. Admission: while slots are free, the oldest waiting request is prefilled into the lowest free
+   one (a request with n samples takes n slots: one prefill, then its rows are forked). A prompt
+   longer than the largest bucket is prefilled in chunks of that size, one chunk per step, so
+   running requests keep decoding between the chunks of a long prompt; at most
+   `prefill_token_budget` prompt tokens are prefilled per step.
+2. Compaction: occupied slots are kept lowest. When a row finishes below a higher one, the
+   highest row is moved into the hole (one row's cache copied once), so that
+3. one decode step runs over the smallest power-of-two bucket of rows holding every running
+   request, not over every slot: a lone request on an 8-slot engine costs what it costs alone.
+   (On a mesh whose `data` axis splits the slots, every step covers all slots.)
+4. The results of the *previous* step are read back and turned into text, stop checks and
    outputs while the device works on this one (dispatch before read). A row that finished in
    step k still computes in step k+1; that token is discarded.
 Finished rows free their slot at once; the next step can admit into it.
@@ -23,27 +27,33 @@ import time
 from typing import Iterable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-
+from flax import nnx
 from jaxgen.decode import compiles
-from jaxgen.decode.cache import CacheSpec, KVCache
-from jaxgen.decode.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from jaxgen.decode.params import SamplingParams
-from jaxgen.decode.sampling import MAX_LOGIT_BIAS, MAX_STOP_IDS, RowParams, SamplerState
-from jaxgen.decode.steps import DecodeState, Programs, init_state
+from jaxgen.decode.buckets import bucket, powers_of_two
+from jaxgen.decode.cache import CacheSpec
+from jaxgen.decode.outputs import (
+  CompletionOutput,
+  Logprob,
+  RequestMetrics,
+  RequestOutput,
+)
+from jaxgen.decode.params import SamplingParams, row_params, token_ids
+from jaxgen.decode.steps import Programs, place_state
 from jaxgen.decode.text import IncrementalDetokenizer, find_stop, holdback
+from jaxgen.model.platform import Platform, resolve
 
 _SAMPLE_SEED_STRIDE = 0x9E3779B97F4A7C15  # sample i of a request uses seed + i * stride (mod 2**64)
+MIN_PROMPT_BUCKET = 16
 
 
-def buckets(largest: int, smallest: int = 16) -> tuple[int, ...]:
-  """Powers of two from `smallest` up to `largest` (which is always included)."""
-  out, b = [], smallest
-  while b < largest:
-    out.append(b)
-    b *= 2
-  return tuple(out) + (largest,)
+def program_count(max_batch: int, prefill_chunk: int, data_parallel: int = 1) -> int:
+  """Programs an engine compiles in `warmup()`: prefill (fresh and continued) per prompt bucket,
+  decode per row bucket, fork, move, and the uncached forward of the smallest `LLM.logits` bucket.
+  Logarithmic in max_batch and the chunk."""
+  prompt = len(powers_of_two(prefill_chunk, min(MIN_PROMPT_BUCKET, prefill_chunk)))
+  rows = len(powers_of_two(max_batch)) if data_parallel == 1 else 1
+  return 2 * prompt + rows + 3
 
 
 @dataclasses.dataclass
@@ -61,6 +71,11 @@ class _Seq:
   @property
   def done(self) -> bool:
     return self.out.finish_reason is not None
+
+  @property
+  def running(self) -> bool:
+    """Holds a slot whose prompt is fully prefilled (so it decodes)."""
+    return self.slot is not None and self.req.prefilled == len(self.req.prompt_ids)
 
 
 @dataclasses.dataclass
@@ -88,13 +103,15 @@ class Engine:
   """Serves many requests at once over `max_batch` cache slots of `max_len` tokens each.
 
   `add_request(prompt, params) -> id`, `step() -> [RequestOutput updated]`, `abort(id)`,
-  `has_unfinished()`. Nothing compiles after `warmup()`.
+  `has_unfinished()`, `metrics()`. Nothing compiles after `warmup()`.
+
+  platform: how the programs run (default: `platform.resolve` for the model's dtype).
+  seed: seeds the host RNG that draws a seed for requests without one (None: from the OS).
   """
 
-  def __init__(self, model, tokenizer, *, max_batch: int = 8, max_len: int = 2048, prefill_chunk: int = 512,
-               cache_dtype: str = "float32", compute_dtype=None, shardings=None, prefill_token_budget=None):
-    from flax import nnx
-
+  def __init__(self, model, tokenizer, *, max_batch: int = 8, max_len: int = 2048, prefill_chunk: int | None = None,
+               cache_dtype: str | None = None, platform: Platform | None = None, shardings=None,
+               prefill_token_budget: int | None = None, seed: int | None = None):
     cfg = model.cfg
     if max_len > cfg.max_context:
       raise ValueError(f"max_len={max_len} exceeds the model's context length {cfg.max_context}")
@@ -104,27 +121,32 @@ class Engine:
       raise ValueError(f"max_batch={max_batch} must be >= 1")
     self.cfg, self.tokenizer = cfg, tokenizer
     self.graphdef, self.params = nnx.split(model)
-    if compute_dtype is None:
-      # XLA:CPU is fastest with float32 activations whatever the weights; accelerators use the
-      # weights' own dtype.
-      compute_dtype = jnp.float32 if jax.default_backend() == "cpu" else model.embed[...].dtype
-    self.spec = CacheSpec(slots=max_batch, max_len=max_len, dtype=cache_dtype)
+    self.platform = platform or resolve(str(model.dtype), cache_dtype=cache_dtype, prefill_chunk=prefill_chunk)
+    self.spec = CacheSpec(slots=max_batch, max_len=max_len, dtype=cache_dtype or self.platform.cache_dtype)
     self.max_len = max_len
-    self.chunk = min(prefill_chunk, max_len)
-    self.buckets = buckets(self.chunk, min(16, self.chunk))
+    self.chunk = min(prefill_chunk or self.platform.prefill_chunk, max_len)
+    self.prompt_buckets = powers_of_two(self.chunk, min(MIN_PROMPT_BUCKET, self.chunk))
+    self.data_parallel = 1 if shardings is None else jax.tree.leaves(shardings["state"])[0].mesh.shape.get("data", 1)
+    # Slots split over a data axis: a prefix of rows would sit on a few devices, so steps cover all.
+    self.row_buckets = powers_of_two(max_batch) if self.data_parallel == 1 else (max_batch,)
     self.prefill_token_budget = prefill_token_budget or self.chunk
-    self.programs = Programs(self.graphdef, compute_dtype, shardings)
-    self.state = init_state(cfg, self.spec, None if shardings is None else shardings["state"])
+    self.programs = Programs(self.graphdef, cfg, self.spec, self.platform, shardings)
+    self.state = place_state(cfg, self.spec, None if shardings is None else shardings["state"])
     self.slots: list[_Seq | None] = [None] * max_batch
     self.waiting: collections.deque[_Request] = collections.deque()
     self.requests: dict[str, _Request] = {}
     self._pending: collections.deque = collections.deque()
     self._ids = itertools.count()
-    self._host_rng = random.Random()
+    self._host_rng = random.Random(seed)
     self._last_ready = time.perf_counter()
-    self.stats = collections.Counter()  # prefill_tokens, decode_tokens, *_s, compile_s, steps
-    self._fork = self.programs.state_update(_fork, 4)
+    self.stats = collections.Counter()  # prefill_tokens, decode_tokens, *_s, compile_s, steps, moves
+    self.decode_buckets = collections.Counter()  # rows of each decode step run: how many steps
     self._aborted: list[_Request] = []  # aborted since the last step, reported by the next
+
+  @property
+  def num_programs(self) -> int:
+    """Programs `warmup()` compiles (see `program_count`)."""
+    return program_count(len(self.slots), self.chunk, self.data_parallel)
 
   # ----------------------------------------------------------------------------------- requests
   def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
@@ -134,11 +156,10 @@ class Engine:
     params.validate(self.cfg.vocab_size)
     if isinstance(prompt, str):
       text, ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+    elif isinstance(prompt, (Sequence, np.ndarray)):
+      text, ids = None, token_ids(prompt, self.cfg.vocab_size)
     else:
-      text, ids = None, [int(i) for i in prompt]
-      bad = [i for i in ids if not 0 <= i < self.cfg.vocab_size]
-      if bad:
-        raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.cfg.vocab_size})")
+      raise ValueError(f"prompt is a {type(prompt).__name__}: give a string or a list of token ids")
     if not ids:
       raise ValueError("prompt is empty: it must have at least one token")
     if len(ids) >= self.max_len:
@@ -164,6 +185,7 @@ class Engine:
     return rid
 
   def abort(self, request_id: str) -> None:
+    """Ends a request (finish_reason "abort", with what it produced); unknown or finished ids are ignored."""
     req = self.requests.get(str(request_id))
     if req is None or req.finished:
       return
@@ -175,23 +197,25 @@ class Engine:
     self._aborted.append(req)
 
   def has_unfinished(self) -> bool:
-    return bool(self.waiting) or any(s is not None for s in self.slots) or bool(self._pending)
+    return bool(self.waiting) or any(s is not None for s in self.slots) or bool(self._pending) or bool(self._aborted)
 
   # ------------------------------------------------------------------------------------ the loop
   def step(self) -> list[RequestOutput]:
     """Dispatches this step's programs, then reads back the previous step's results."""
     n_before = len(self._pending)
     self._admit()
-    running = [(i, s) for i, s in enumerate(self.slots) if s is not None and s.req.prefilled == len(s.req.prompt_ids)]
+    self._compact()
+    running = [s for s in self.slots if s is not None and s.running]
     if running:
-      active = np.zeros(len(self.slots), np.bool_)
-      for i, _ in running:
-        active[i] = True
-      want = np.bool_(any(s.req.params.logprobs is not None for _, s in running))
+      rows = bucket(max(s.slot for s in running) + 1, self.row_buckets)
+      active = np.zeros(rows, np.bool_)
+      for s in running:
+        active[s.slot] = True
+      want = np.bool_(any(s.req.params.logprobs is not None for s in running))
       c0, t0 = compiles.seconds(), time.perf_counter()
       self.state, out = self.programs.decode(self.params, self.state, active, want)
-      rows = [(slot, slot, seq) for slot, seq in running]  # (row of the output, slot, sequence)
-      self._pending.append(("decode", out, rows, t0, compiles.seconds() - c0))
+      self.decode_buckets[rows] += 1
+      self._pending.append(("decode", out, [(s.slot, s) for s in running], t0, compiles.seconds() - c0, 0))
     updated: dict[str, _Request] = {r.id: r for r in self._aborted}
     self._aborted = []
     # Read back everything dispatched before this step; keep this step's in flight. When nothing
@@ -224,12 +248,25 @@ class Engine:
           self.slots[slot] = seq
       budget -= self._prefill_chunk(req)
 
+  def _compact(self) -> None:
+    """Moves the highest occupied rows into the holes below them (see the module docstring)."""
+    if len(self.row_buckets) == 1:
+      return
+    occupied = [i for i, s in enumerate(self.slots) if s is not None]
+    holes = [i for i in range(len(occupied)) if self.slots[i] is None]
+    for dst, src in zip(holes, reversed(occupied)):
+      if src < dst:
+        break
+      seq = self.slots[src]
+      self.state = self.programs.move(self.state, np.int32(src), np.int32(dst))
+      self.slots[dst], self.slots[src], seq.slot = seq, None, dst
+      self.stats["moves"] += 1
+
   def _prefill_chunk(self, req: _Request) -> int:
     seq0 = req.seqs[0]
     start = req.prefilled
     n = min(self.chunk, len(req.prompt_ids) - start)
-    bucket = next(b for b in self.buckets if b >= n)
-    tokens = np.zeros((1, bucket), np.int32)
+    tokens = np.zeros((1, bucket(n, self.prompt_buckets)), np.int32)
     tokens[0, :n] = req.prompt_ids[start:start + n]
     row = self._row_params(req, seq0)
     want = np.bool_(req.params.logprobs is not None)
@@ -238,52 +275,36 @@ class Engine:
                                             np.array([seq0.slot], np.int32), row, want, fresh=start == 0)
     req.prefilled += n
     final = req.prefilled == len(req.prompt_ids)
-    if final and len(req.seqs) > 1:
-      rows = [self._row_params(req, s) for s in req.seqs[1:]]
-      stacked = jax.tree.map(lambda *xs: np.concatenate(xs), *rows)
-      self.state = self._fork(self.state, np.int32(seq0.slot), np.array([s.slot for s in req.seqs[1:]], np.int32),
-                              stacked, np.int32(req.prompt_ids[-1]))
-    self._pending.append(("prefill", out, [(0, seq0.slot, seq0)] if final else [], t0, compiles.seconds() - c0, n))
+    if final:
+      for seq in req.seqs[1:]:
+        self.state = self.programs.fork(self.state, np.int32(seq0.slot), np.int32(seq.slot),
+                                        self._row_params(req, seq), np.int32(req.prompt_ids[-1]))
+    self._pending.append(("prefill", out, [(0, seq0)] if final else [], t0, compiles.seconds() - c0, n))
     return n
 
-  def _row_params(self, req: _Request, seq: _Seq) -> RowParams:
-    p = req.params
-    bias_ids = np.full((1, MAX_LOGIT_BIAS), -1, np.int32)
-    bias_vals = np.zeros((1, MAX_LOGIT_BIAS), np.float32)
-    for j, (k, v) in enumerate(p.logit_bias.items()):
-      bias_ids[0, j], bias_vals[0, j] = k, v
-    ban = np.full((1, MAX_STOP_IDS), -1, np.int32)
-    ban_list = sorted(req.stop_ids)[:MAX_STOP_IDS]
-    ban[0, :len(ban_list)] = ban_list
-    f32 = lambda x: np.array([x], np.float32)  # noqa: E731
-    i32 = lambda x: np.array([x], np.int32)  # noqa: E731
-    return RowParams(
-        temperature=f32(0.0 if p.greedy else p.temperature), top_k=i32(max(p.top_k, 0)), top_p=f32(p.top_p),
-        min_p=f32(p.min_p), repetition_penalty=f32(p.repetition_penalty), presence_penalty=f32(p.presence_penalty),
-        frequency_penalty=f32(p.frequency_penalty), bias_ids=bias_ids, bias_values=bias_vals, ban_ids=ban,
-        min_tokens=i32(p.min_tokens), prompt_len=i32(len(req.prompt_ids)),
-        key=np.array([[seq.seed >> 32, seq.seed & 0xFFFFFFFF]], np.uint32))
+  def _row_params(self, req: _Request, seq: _Seq):
+    return row_params(req.params, prompt_len=len(req.prompt_ids), stop_ids=req.stop_ids, seed=seq.seed)
 
   # ---------------------------------------------------------------------------- reading results
   def _process(self, entry) -> Iterable[_Request]:
-    kind, out, rows, t_dispatch, compile_s = entry[:5]
+    kind, out, rows, t_dispatch, compile_s, prompt_tokens = entry
     tokens = np.asarray(out.tokens)  # blocks until this program finished
     now = time.perf_counter()
     busy = max(0.0, now - max(self._last_ready, t_dispatch) - compile_s)
     self._last_ready = now
     self.stats["compile_s"] += compile_s
     self.stats[f"{kind}_s"] += busy
-    want_lp = any(s.req.params.logprobs is not None for _, _, s in rows)
+    want_lp = any(s.req.params.logprobs is not None for _, s in rows)
     if want_lp:
       lp, top_ids, top_lp = np.asarray(out.logprob), np.asarray(out.top_ids), np.asarray(out.top_logprobs)
     if kind == "prefill":
-      self.stats["prefill_tokens"] += entry[5]
+      self.stats["prefill_tokens"] += prompt_tokens
       self.stats["prefill_calls"] += 1
     else:
       self.stats["decode_steps"] += 1
     touched = []
-    for row, slot, seq in rows:
-      if seq.done or seq.slot != slot:
+    for row, seq in rows:
+      if seq.done:
         continue
       req = seq.req
       if kind == "prefill":
@@ -346,57 +367,45 @@ class Engine:
 
   # ------------------------------------------------------------------------------------- extras
   def warmup(self) -> float:
-    """Compiles every program serving can need (each bucket fresh and continued, decode, fork).
+    """Compiles every program serving can need; returns the seconds it took.
 
-    Runs them on slot 0 with a throwaway request state; returns the seconds it took.
+    That is `num_programs` programs: prefill fresh and continued for each of the prompt buckets
+    (powers of two from 16 to the largest chunk), decode for each row bucket (powers of two up to
+    max_batch), fork, move, and the uncached forward of `LLM.logits`' smallest bucket (its larger
+    buckets compile on first use). The count grows with log2 of max_batch and of the chunk, never
+    with max_batch itself. They run on slot 0 with a throwaway request state.
     """
     t0 = time.perf_counter()
     dummy = _Request("warmup", None, [0], SamplingParams(max_tokens=1), 1, frozenset(), RequestMetrics(t0, 1))
-    seq = _Seq(dummy, 0, 0, CompletionOutput(0), None)
-    row = self._row_params(dummy, seq)
+    row = self._row_params(dummy, _Seq(dummy, 0, 0, CompletionOutput(0), None))
     for fresh in (True, False):
-      for b in self.buckets:
-        for want in (False, True):
-          self.state, out = self.programs.prefill(
-              self.params, self.state, np.zeros((1, b), np.int32), np.array([1], np.int32),
-              np.array([0], np.int32), row, np.bool_(want), fresh=fresh)
-    for want in (False, True):
-      self.state, out = self.programs.decode(self.params, self.state, np.zeros(len(self.slots), np.bool_), np.bool_(want))
-    for k in range(1, len(self.slots)):
-      rows = jax.tree.map(lambda *xs: np.concatenate(xs), *([row] * k))
-      self.state = self._fork(self.state, np.int32(0), np.arange(1, k + 1, dtype=np.int32), rows, np.int32(0))
+      for b in self.prompt_buckets:
+        self.state, _ = self.programs.prefill(self.params, self.state, np.zeros((1, b), np.int32),
+                                              np.array([1], np.int32), np.array([0], np.int32), row,
+                                              np.bool_(False), fresh=fresh)
+    for rows in self.row_buckets:
+      self.state, _ = self.programs.decode(self.params, self.state, np.zeros(rows, np.bool_), np.bool_(False))
+    self.state = self.programs.fork(self.state, np.int32(0), np.int32(len(self.slots) - 1), row, np.int32(0))
+    self.state = self.programs.move(self.state, np.int32(len(self.slots) - 1), np.int32(0))
+    self.programs.logits(self.params, np.zeros((1, MIN_PROMPT_BUCKET), np.int32))
     jax.block_until_ready(self.state)
     self._last_ready = time.perf_counter()
     return time.perf_counter() - t0
 
   def metrics(self) -> dict:
     """A plain snapshot of the engine: occupancy, cache use, per-phase throughput."""
-    running = [s for s in self.slots if s is not None]
-    used = sum(len(s.req.prompt_ids) + len(s.out.token_ids) for s in running)
+    occupied = [s for s in self.slots if s is not None]
+    running = [s for s in occupied if s.running]
+    used = sum(len(s.req.prompt_ids) + len(s.out.token_ids) for s in occupied)
     st = self.stats
     return dict(
-        running=len(running), waiting=len(self.waiting), slots=len(self.slots),
-        slot_occupancy=len(running) / len(self.slots),
+        running=len(running), prefilling=len(occupied) - len(running), waiting=len(self.waiting),
+        slots=len(self.slots), slot_occupancy=len(occupied) / len(self.slots),
         kv_cache_bytes_allocated=self.spec.total_bytes(self.cfg),
-        kv_cache_bytes_in_use=int(min(used, len(running) * self.max_len) * self.spec.bytes_per_token(self.cfg)),
+        kv_cache_bytes_in_use=int(min(used, len(occupied) * self.max_len) * self.spec.bytes_per_token(self.cfg)),
         kv_cache_bytes_per_slot=self.spec.bytes_per_slot(self.cfg),
         prefill_tokens=st["prefill_tokens"], decode_tokens=st["decode_tokens"],
         prefill_s=st["prefill_s"], decode_s=st["decode_s"], compile_s=st["compile_s"],
         prefill_tok_s=st["prefill_tokens"] / st["prefill_s"] if st["prefill_s"] else None,
         decode_tok_s=st["decode_tokens"] / st["decode_s"] if st["decode_s"] else None,
-        decode_steps=st["decode_steps"])
-
-
-def _fork(state, src, dsts, row_params, last_token):
-  """Copies slot `src`'s cache and prompt state into `dsts` for more samples of one prompt.
-
-  The copies are set one token back (length - 1, next token = the last prompt token), so their
-  first decode step recomputes the last prompt position and samples their own first token.
-  """
-  cache, s = state.cache, state.sampler
-  layers = jax.tree.map(lambda a: a.at[dsts].set(a[src][None]), cache.layers)
-  lengths = cache.lengths.at[dsts].set(cache.lengths[src] - 1)
-  params = jax.tree.map(lambda a, r: a.at[dsts].set(r), s.params, row_params)
-  sampler = SamplerState(params, s.tokens.at[dsts].set(last_token),
-                         s.seen_prompt.at[dsts].set(s.seen_prompt[src][None]), s.out_counts.at[dsts].set(0))
-  return DecodeState(KVCache(layers, lengths), sampler)
+        decode_steps=st["decode_steps"], row_moves=st["moves"], decode_rows=dict(sorted(self.decode_buckets.items())))

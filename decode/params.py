@@ -7,9 +7,13 @@ a message a person can act on and nothing else is disturbed.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+import math
+from typing import Iterable, Sequence
 
-from jaxgen.decode.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_IDS
+import numpy as np
+from jaxgen.decode.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_IDS, RowParams
+
+FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 
 
 @dataclasses.dataclass
@@ -50,14 +54,22 @@ class SamplingParams:
     if isinstance(self.stop, str):
       self.stop = [self.stop]
     self.stop = list(self.stop or [])
-    self.stop_token_ids = [int(i) for i in (self.stop_token_ids or [])]
-    self.logit_bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
+    self.stop_token_ids = [_token_id("stop_token_ids", i) for i in (self.stop_token_ids or [])]
+    self.logit_bias = {_token_id("logit_bias", k): _number("logit_bias", v) for k, v in (self.logit_bias or {}).items()}
     self.validate()
 
   def validate(self, vocab_size: int | None = None) -> None:
     def bad(field, value, limit):
       raise ValueError(f"SamplingParams.{field}={value!r} is invalid: {limit}")
 
+    for f in FLOAT_FIELDS:
+      value = getattr(self, f)
+      if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)) \
+          or not math.isfinite(value):
+        bad(f, value, "must be a finite number")
+    for k, v in self.logit_bias.items():
+      if not math.isfinite(v):
+        bad("logit_bias", {k: v}, "bias values must be finite numbers")
     if not isinstance(self.n, int) or self.n < 1:
       bad("n", self.n, "must be an integer >= 1")
     if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
@@ -96,3 +108,46 @@ class SamplingParams:
   @property
   def greedy(self) -> bool:
     return self.temperature == 0 or self.top_k == 1
+
+
+def _token_id(field: str, value) -> int:
+  if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+    raise ValueError(f"SamplingParams.{field}: {value!r} is not a token id (an integer)")
+  return int(value)
+
+
+def _number(field: str, value) -> float:
+  if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+    raise ValueError(f"SamplingParams.{field}: {value!r} is not a number")
+  return float(value)
+
+
+def token_ids(prompt: Iterable, vocab_size: int) -> list[int]:
+  """A prompt given as token ids, checked: integers in [0, vocab_size). ValueError naming the element."""
+  out = []
+  for j, x in enumerate(prompt):
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)):
+      raise ValueError(f"token id at index {j} is {x!r} ({type(x).__name__}); token ids must be integers")
+    if not 0 <= x < vocab_size:
+      raise ValueError(f"token id {int(x)} at index {j} is outside the vocabulary [0, {vocab_size})")
+    out.append(int(x))
+  return out
+
+
+def row_params(p: SamplingParams, *, prompt_len: int, stop_ids: Iterable[int], seed: int) -> RowParams:
+  """One row of device-side sampling parameters ([1, ...] arrays) for a sample of a request."""
+  bias_ids = np.full((1, MAX_LOGIT_BIAS), -1, np.int32)
+  bias_vals = np.zeros((1, MAX_LOGIT_BIAS), np.float32)
+  for j, (k, v) in enumerate(p.logit_bias.items()):
+    bias_ids[0, j], bias_vals[0, j] = k, v
+  ban = np.full((1, MAX_STOP_IDS), -1, np.int32)
+  ban_list = sorted(stop_ids)[:MAX_STOP_IDS]
+  ban[0, :len(ban_list)] = ban_list
+  f32 = lambda x: np.array([x], np.float32)  # noqa: E731
+  i32 = lambda x: np.array([x], np.int32)  # noqa: E731
+  return RowParams(
+      temperature=f32(0.0 if p.greedy else p.temperature), top_k=i32(max(p.top_k, 0)), top_p=f32(p.top_p),
+      min_p=f32(p.min_p), repetition_penalty=f32(p.repetition_penalty), presence_penalty=f32(p.presence_penalty),
+      frequency_penalty=f32(p.frequency_penalty), bias_ids=bias_ids, bias_values=bias_vals, ban_ids=ban,
+      min_tokens=i32(p.min_tokens), prompt_len=i32(prompt_len),
+      key=np.array([[seed >> 32, seed & 0xFFFFFFFF]], np.uint32))

@@ -16,7 +16,6 @@ from __future__ import annotations
 import flax.struct
 import jax
 import jax.numpy as jnp
-
 from jaxgen.model.layers import NEG_INF
 
 MAX_LOGPROBS = 20  # top-N log-probabilities a request may ask for (vLLM's default limit)
@@ -53,6 +52,21 @@ class SamplerState:
   tokens: jax.Array  # i32 [B]: the next token to feed each row
   seen_prompt: jax.Array  # bool [B, V]: token occurs in the prompt (repetition penalty)
   out_counts: jax.Array  # i32 [B, V]: occurrences in the output so far
+
+
+def idle_rows(b: int, v: int) -> SamplerState:
+  """Sampler state of `b` rows that hold no request (greedy, no penalties) over a vocabulary of v.
+
+  Every leaf is its own buffer (the state is donated, and one buffer may not be donated twice).
+  """
+  i32 = lambda fill=0, *shape: jnp.full((b, *shape), fill, jnp.int32)  # noqa: E731
+  f32 = lambda fill=0.0, *shape: jnp.full((b, *shape), fill, jnp.float32)  # noqa: E731
+  params = RowParams(
+      temperature=f32(), top_k=i32(), top_p=f32(1.0), min_p=f32(), repetition_penalty=f32(1.0),
+      presence_penalty=f32(), frequency_penalty=f32(), bias_ids=i32(-1, MAX_LOGIT_BIAS),
+      bias_values=f32(0.0, MAX_LOGIT_BIAS), ban_ids=i32(-1, MAX_STOP_IDS), min_tokens=i32(), prompt_len=i32(),
+      key=jnp.zeros((b, 2), jnp.uint32))
+  return SamplerState(params, i32(), jnp.zeros((b, v), jnp.bool_), i32(0, v))
 
 
 @flax.struct.dataclass
@@ -201,6 +215,9 @@ def _draw(scaled: jax.Array, p: RowParams, u: jax.Array) -> jax.Array:
 def sample(logits: jax.Array, state: SamplerState, positions: jax.Array, want_logprobs: jax.Array) -> SampleOut:
   """Draws one token per row. logits [B, V] float32; positions [B]: position of the new token.
 
+  state: the rows' parameters and tokens [B]; its seen_prompt and out_counts may hold more rows
+  (a decode step over the lowest B slots passes the whole arrays): the first B are used, and only
+  when a row asks for a penalty, so no [B, V] slice is copied otherwise.
   want_logprobs: bool scalar, whether any row asked for logprobs (skips the top-N otherwise).
   """
   p = state.params
@@ -208,7 +225,7 @@ def sample(logits: jax.Array, state: SamplerState, positions: jax.Array, want_lo
   generated = positions - p.prompt_len
   x = _bias_and_bans(logits, p, generated)
   needs_pen = jnp.any((p.repetition_penalty != 1.0) | (p.presence_penalty != 0.0) | (p.frequency_penalty != 0.0))
-  x = jax.lax.cond(needs_pen, penalize, lambda x, *_: x, x, p, state.seen_prompt, state.out_counts)
+  x = jax.lax.cond(needs_pen, lambda x: penalize(x, p, state.seen_prompt[:b], state.out_counts[:b]), lambda x: x, x)
   greedy_tok = argmax(x)
 
   keys = jax.vmap(lambda kd, pos: jax.random.fold_in(jax.random.wrap_key_data(kd, impl="threefry2x32"), pos))(

@@ -1,4 +1,4 @@
-"""The compiled programs: `prefill` and `decode_step`, the only jitted functions, state donated.
+"""The compiled programs. Only these are jitted; the decode state is donated to each.
 
 State = KV cache + sampler state (per-row parameters, next tokens, penalty counts). Both live on
 device for the whole run; the host passes only small arrays (prompt chunk, slot ids, active mask)
@@ -6,10 +6,13 @@ and reads back only the sampled ids (and logprobs when asked).
 
 - `prefill(params, state, tokens [P, T], counts [P], slots [P], row_params, want_logprobs)`:
   writes P prompt chunks (padded to the bucket T) into their slots, sets the slots' sampling
-  parameters and samples each row's next token. `fresh=True` (static) starts the slots empty and
-  attends only within the chunk; `fresh=False` continues a slot (chunked prefill) and attends to
-  what it already holds.
-- `decode_step(params, state, active [B], want_logprobs)`: one token for every active row.
+  parameters and samples each row's next token. `fresh=True` (static) starts the slots empty;
+  `fresh=False` continues them (chunked prefill), attending to what they already hold.
+- `decode_step(params, state, active [R], want_logprobs)`: one token for every active row among
+  the lowest R slots (R a row bucket): a step costs what its rows cost, not what the slots do.
+- `fork(state, src, dst, ...)`: another sample of a prompt in slot dst, sharing src's prefill.
+- `move(state, src, dst)`: slot src's whole row into slot dst (the engine keeps rows low).
+- `logits(params, tokens [1, T])`: one uncached forward pass (`LLM.logits`).
 """
 
 from __future__ import annotations
@@ -21,114 +24,79 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 from flax import nnx
-
-from jaxgen.decode import cache as kvc
-from jaxgen.decode.sampling import MAX_LOGIT_BIAS, MAX_STOP_IDS, RowParams, SamplerState, sample
-from jaxgen.model.config import LOCAL, ModelConfig
+from jaxgen.decode.cache import CacheSpec, KVCache, allocate, full_capacity
+from jaxgen.decode.sampling import RowParams, SamplerState, idle_rows, sample
+from jaxgen.model import kv
+from jaxgen.model.config import ModelConfig
+from jaxgen.model.platform import Platform
+from jaxgen.sharding import planner, rules
 
 
 @flax.struct.dataclass
 class DecodeState:
-  cache: kvc.KVCache
+  cache: KVCache
   sampler: SamplerState
 
 
-def init_state(cfg: ModelConfig, spec: kvc.CacheSpec, shardings: DecodeState | None = None) -> DecodeState:
-  """Allocates the cache and an idle sampler state for `spec.slots` rows.
-
-  With `shardings` (a DecodeState of NamedShardings) the zeros are created by a program whose
-  outputs carry those shardings: each device allocates only its own shard (also across hosts).
-  """
-  if shardings is not None:
-    return jax.jit(functools.partial(init_state, cfg, spec), out_shardings=shardings)()
-  b, v = spec.slots, cfg.vocab_size
-  zeros_i = lambda *s: jnp.zeros(s, jnp.int32)  # noqa: E731
-  zeros_f = lambda *s: jnp.zeros(s, jnp.float32)  # noqa: E731
-  params = RowParams(
-      temperature=zeros_f(b), top_k=zeros_i(b), top_p=jnp.ones((b,), jnp.float32), min_p=zeros_f(b),
-      repetition_penalty=jnp.ones((b,), jnp.float32), presence_penalty=zeros_f(b),
-      frequency_penalty=zeros_f(b), bias_ids=-jnp.ones((b, MAX_LOGIT_BIAS), jnp.int32),
-      bias_values=zeros_f(b, MAX_LOGIT_BIAS), ban_ids=-jnp.ones((b, MAX_STOP_IDS), jnp.int32), min_tokens=zeros_i(b),
-      prompt_len=zeros_i(b), key=jnp.zeros((b, 2), jnp.uint32))
-  sampler = SamplerState(params, zeros_i(b), jnp.zeros((b, v), jnp.bool_), zeros_i(b, v))
-  return DecodeState(kvc.allocate(cfg, spec), sampler)
+def init_state(cfg: ModelConfig, spec: CacheSpec) -> DecodeState:
+  """An empty cache and an idle sampler state for `spec.slots` rows, on the default device."""
+  return DecodeState(allocate(cfg, spec), idle_rows(spec.slots, cfg.vocab_size))
 
 
-class _CacheHook:
-  """The kv_hook that says what each layer attends to and then stores its new keys/values.
-
-  fresh=True: the rows start empty; attend only within the chunk (causal).
-  fresh=False (a continued prompt chunk, or a decode step with T = 1): attend to what the rows
-  held before plus the new tokens, as two blocks of keys. The cache is read where it lies (never
-  concatenated), and a ring entry a chunk overwrites is still seen by the chunk's early queries.
-  The write comes after the reads (see `store`), so the cache is updated in place.
-  """
-
-  def __init__(self, cfg: ModelConfig, rows: kvc.KVCache, start, counts, positions, fresh: bool):
-    self.cfg, self.rows, self.start, self.counts, self.positions, self.fresh = cfg, rows, start, counts, positions, fresh
-    self.layers: list[kvc.LayerCache] = []
-
-  def __call__(self, i, k, v):
-    layer = self.rows.layers[i]
-    ring = self.cfg.layer_kinds[i] == LOCAL
-    mine = (k.swapaxes(1, 2), v.swapaxes(1, 2), self.positions)  # [B, K, T, H]
-    # Only the filled part of the cache is read: no entry at or past the longest length of a row
-    # that takes tokens now (or the ring's size) is visible. Rows that take none (finished or
-    # idle slots keep their old lengths) have their output discarded and do not count.
-    limit = jnp.minimum(jnp.max(jnp.where(self.counts > 0, self.start, 0)), kvc.capacity(layer))
-    blocks = [mine] if self.fresh else [(layer.k, layer.v, kvc.layer_positions(layer, self.start, ring), limit), mine]
-
-    def store(after):
-      # An exact zero per row computed from the attention output: it orders the in-place write
-      # after every read of the old entries. Without this data dependence XLA cannot prove the
-      # order and copies the whole layer (XLA:CPU: 2-4 copies of every cache array per step).
-      # Per row, so a row whose output is not finite spoils no other row's cache.
-      zero = (0 * jnp.sum(after, axis=(1, 2, 3))).astype(k.dtype)[:, None, None, None]
-      self.layers.append(kvc.write(layer, k + zero, v + zero, self.start, self.counts))
-
-    return blocks, store
+def state_axes(cfg: ModelConfig, spec: CacheSpec):
+  """(shapes, logical axes) of the decode state: the cache's own axes; every sampler array leads
+  with the slot axis (`cache_batch`)."""
+  shapes = jax.eval_shape(lambda: init_state(cfg, spec))
+  sampler_axes = jax.tree.map(lambda s: ("cache_batch",) + (None,) * (len(s.shape) - 1), shapes.sampler)
+  return shapes, DecodeState(spec.axes(cfg), sampler_axes)
 
 
-def _take_rows(tree, idx):
-  return jax.tree.map(lambda a: a[idx], tree)
+def state_shardings(cfg: ModelConfig, spec: CacheSpec, mesh) -> DecodeState:
+  """A DecodeState tree of NamedShardings, from the rules table."""
+  shapes, axes = state_axes(cfg, spec)
+  return rules.tree_shardings(shapes, axes, mesh, "state.")
+
+
+def memory_plan(cfg: ModelConfig, dtype, spec: CacheSpec, mesh, capacity: int | None = None) -> planner.Plan:
+  """Bytes per device of the weights and this engine's state on `mesh` (nothing allocated)."""
+  shapes, axes = state_axes(cfg, spec)
+  return planner.plan(cfg, dtype, mesh, (shapes.cache, axes.cache), (shapes.sampler, axes.sampler),
+                      slots=spec.slots, max_len=spec.max_len, capacity=capacity)
 
 
 def _put_rows(tree, idx, rows):
   return jax.tree.map(lambda a, r: a.at[idx].set(r), tree, rows)
 
 
-def prefill_logits(model, cache: kvc.KVCache, tokens, counts, slots, *, fresh: bool, compute_dtype=jnp.float32):
+def prefill_logits(model, cache: KVCache, tokens, counts, slots, *, fresh: bool, platform: Platform):
   """Writes P prompt chunks into cache rows `slots`; returns (logits of each last real token [P, V], cache)."""
   p, t = tokens.shape
-  rows = kvc.KVCache(_take_rows(cache.layers, slots), cache.lengths[slots])
-  start = jnp.zeros((p,), jnp.int32) if fresh else rows.lengths
+  start = jnp.zeros((p,), jnp.int32) if fresh else cache.lengths[slots]
   positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-  hook = _CacheHook(model.cfg, rows, start, counts, positions, fresh)
-  hidden = model(tokens, positions, hook, compute_dtype=compute_dtype)
-  cache = kvc.KVCache(_put_rows(cache.layers, slots, tuple(hook.layers)), cache.lengths.at[slots].set(start + counts))
+  rows = kv.Rows(start, counts, slots, fresh)
+  hidden, layers = model(tokens, positions, platform, cache.layers, rows)
   last = jnp.take_along_axis(hidden, (counts - 1)[:, None, None], axis=1)[:, 0]  # [P, D]
-  return model.logits(last), cache
+  return model.logits(last, platform), KVCache(layers, cache.lengths.at[slots].set(start + counts))
 
 
-def decode_logits(model, cache: kvc.KVCache, tokens, active, *, compute_dtype=jnp.float32):
-  """Feeds tokens [B] to the active rows; returns (logits [B, V], cache, count [B] of tokens written)."""
-  # Only full-context layers can run out of room; rings never do (a model whose every layer has a
-  # sliding window, e.g. Mistral, is bounded by the engine's max_len alone).
-  full = [kvc.capacity(layer) for layer, kind in zip(cache.layers, model.cfg.layer_kinds) if kind != LOCAL]
-  lengths = cache.lengths
-  count = (active & (lengths < min(full))) if full else active
+def decode_logits(model, cache: KVCache, tokens, active, *, limit: int | None, platform: Platform):
+  """Feeds tokens [R] to the active rows among the lowest R. Returns (logits [R, V], cache, count [R]
+  of tokens written). limit: tokens a row can hold (None: no global layer, no limit)."""
+  r = active.shape[0]
+  lengths = cache.lengths[:r]
+  count = active if limit is None else active & (lengths < limit)
   count = count.astype(jnp.int32)
-  hook = _CacheHook(model.cfg, cache, lengths, count, lengths[:, None], fresh=False)
-  hidden = model(tokens[:, None], lengths[:, None], hook, compute_dtype=compute_dtype)
-  return model.logits(hidden[:, 0]), kvc.KVCache(tuple(hook.layers), lengths + count), count
+  hidden, layers = model(tokens[:, None], lengths[:, None], platform, cache.layers, kv.Rows(lengths, count))
+  new_lengths = jax.lax.dynamic_update_slice(cache.lengths, lengths + count, (0,))
+  return model.logits(hidden[:, 0], platform), KVCache(layers, new_lengths), count
 
 
 def prefill(graphdef, params, state: DecodeState, tokens, counts, slots, row_params: RowParams,
-            want_logprobs, *, fresh: bool, compute_dtype=jnp.float32):
+            want_logprobs, *, fresh: bool, platform: Platform):
   model = nnx.merge(graphdef, params)
   v = model.cfg.vocab_size
   p, t = tokens.shape
-  logits, cache = prefill_logits(model, state.cache, tokens, counts, slots, fresh=fresh, compute_dtype=compute_dtype)
+  logits, cache = prefill_logits(model, state.cache, tokens, counts, slots, fresh=fresh, platform=platform)
   s = state.sampler
   valid = jnp.arange(t)[None, :] < counts[:, None]
   seen = jnp.zeros((p, v), jnp.bool_) if fresh else s.seen_prompt[slots]
@@ -143,20 +111,51 @@ def prefill(graphdef, params, state: DecodeState, tokens, counts, slots, row_par
   return DecodeState(cache, sampler), out
 
 
-def decode_step(graphdef, params, state: DecodeState, active, want_logprobs, *, compute_dtype=jnp.float32):
+def decode_step(graphdef, params, state: DecodeState, active, want_logprobs, *, limit: int | None,
+                platform: Platform):
   model = nnx.merge(graphdef, params)
   s = state.sampler
-  b = s.tokens.shape[0]
-  lengths = state.cache.lengths
-  logits, cache, count = decode_logits(model, state.cache, s.tokens, active, compute_dtype=compute_dtype)
-  out_counts = s.out_counts.at[jnp.arange(b), s.tokens].add(count)
-  out = sample(logits, SamplerState(s.params, s.tokens, s.seen_prompt, out_counts), lengths + 1, want_logprobs)
-  next_tokens = jnp.where(count > 0, out.tokens, s.tokens)
+  r = active.shape[0]
+  tokens = s.tokens[:r]
+  lengths = state.cache.lengths[:r]
+  logits, cache, count = decode_logits(model, state.cache, tokens, active, limit=limit, platform=platform)
+  out_counts = s.out_counts.at[jnp.arange(r), tokens].add(count)
+  rows = SamplerState(jax.tree.map(lambda a: a[:r], s.params), tokens, s.seen_prompt, out_counts)
+  out = sample(logits, rows, lengths + 1, want_logprobs)
+  next_tokens = jax.lax.dynamic_update_slice(s.tokens, jnp.where(count > 0, out.tokens, tokens), (0,))
   return DecodeState(cache, SamplerState(s.params, next_tokens, s.seen_prompt, out_counts)), out
 
 
+def fork(state: DecodeState, src, dst, row_params: RowParams, last_token) -> DecodeState:
+  """Copies slot `src`'s cache and prompt state into `dst` for another sample of one prompt.
+
+  The copy is set one token back (length - 1, next token = the last prompt token), so its first
+  decode step recomputes the last prompt position and samples its own first token.
+  """
+  cache, s = state.cache, state.sampler
+  layers = jax.tree.map(lambda a: a.at[dst].set(a[src]), cache.layers)
+  lengths = cache.lengths.at[dst].set(cache.lengths[src] - 1)
+  params = jax.tree.map(lambda a, r: a.at[dst].set(r[0]), s.params, row_params)
+  sampler = SamplerState(params, s.tokens.at[dst].set(last_token), s.seen_prompt.at[dst].set(s.seen_prompt[src]),
+                         s.out_counts.at[dst].set(0))
+  return DecodeState(KVCache(layers, lengths), sampler)
+
+
+def move(state: DecodeState, src, dst) -> DecodeState:
+  """Slot `src`'s row of every state array copied into slot `dst` (src is then free)."""
+  return jax.tree.map(lambda a: a.at[dst].set(a[src]), state)
+
+
+def uncached_logits(graphdef, params, tokens, *, platform: Platform):
+  """tokens [B, T] -> float32 logits [B, T, V], every position attending to those before it."""
+  model = nnx.merge(graphdef, params)
+  positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+  hidden, _ = model(tokens, positions, platform)
+  return model.logits(hidden, platform)
+
+
 class Programs:
-  """The jitted prefill/decode for one model graph, with the state argument donated.
+  """The jitted programs for one model graph and platform, the state argument donated.
 
   `shardings` (optional): dict with 'params' and 'state' sharding trees; when given, every program
   declares them as in/out shardings so the compiled code keeps weights and cache where they are.
@@ -164,27 +163,35 @@ class Programs:
   multi-host run passes the same values and can read the whole result.
   """
 
-  def __init__(self, graphdef, compute_dtype=jnp.float32, shardings: dict[str, Any] | None = None):
-    self.graphdef = graphdef
-    self.shardings = shardings
-    kw_prefill, kw_decode = {}, {}
-    if shardings is not None:
-      ps, ss, rep = shardings["params"], shardings["state"], self._replicated()
-      kw_prefill = dict(in_shardings=(ps, ss) + (rep,) * 5, out_shardings=(ss, rep))
-      kw_decode = dict(in_shardings=(ps, ss, rep, rep), out_shardings=(ss, rep))
+  def __init__(self, graphdef, cfg: ModelConfig, spec: CacheSpec, platform: Platform,
+               shardings: dict[str, Any] | None = None):
+    self.graphdef, self.platform, self.shardings = graphdef, platform, shardings
+    kw = self._shardings_kw
     self._prefill = {
-        fresh: jax.jit(functools.partial(prefill, graphdef, fresh=fresh, compute_dtype=compute_dtype),
-                       donate_argnums=(1,), **kw_prefill)
+        fresh: jax.jit(functools.partial(prefill, graphdef, fresh=fresh, platform=platform), donate_argnums=(1,),
+                       **kw(5))
         for fresh in (True, False)
     }
-    self.decode = jax.jit(functools.partial(decode_step, graphdef, compute_dtype=compute_dtype),
-                          donate_argnums=(1,), **kw_decode)
+    self.decode = jax.jit(functools.partial(decode_step, graphdef, limit=full_capacity(cfg, spec), platform=platform),
+                          donate_argnums=(1,), **kw(2))
+    self.fork = self._state_update(fork, 4)
+    self.move = self._state_update(move, 2)
+    logits_kw = {}
+    if shardings is not None:
+      logits_kw = dict(in_shardings=(shardings["params"], self._replicated()), out_shardings=self._replicated())
+    self.logits = jax.jit(functools.partial(uncached_logits, graphdef, platform=platform), **logits_kw)
 
   def _replicated(self):
     mesh = jax.tree.leaves(self.shardings["state"])[0].mesh
-    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return rules.replicated(mesh)
 
-  def state_update(self, fn, num_host_args: int):
+  def _shardings_kw(self, num_host_args: int) -> dict:
+    if self.shardings is None:
+      return {}
+    ps, ss, rep = self.shardings["params"], self.shardings["state"], self._replicated()
+    return dict(in_shardings=(ps, ss) + (rep,) * num_host_args, out_shardings=(ss, rep))
+
+  def _state_update(self, fn, num_host_args: int):
     """Jits `fn(state, *host_args) -> state` with the state donated and, if sharded, kept in place."""
     if self.shardings is None:
       return jax.jit(fn, donate_argnums=(0,))
@@ -193,3 +200,11 @@ class Programs:
 
   def prefill(self, params, state, tokens, counts, slots, row_params, want_logprobs, *, fresh: bool):
     return self._prefill[fresh](params, state, tokens, counts, slots, row_params, want_logprobs)
+
+
+def place_state(cfg: ModelConfig, spec: CacheSpec, shardings: DecodeState | None = None) -> DecodeState:
+  """The initial state; with shardings, created by a program whose outputs carry them, so each
+  device allocates only its own shard (also across hosts)."""
+  if shardings is None:
+    return init_state(cfg, spec)
+  return jax.jit(functools.partial(init_state, cfg, spec), out_shardings=shardings)()
