@@ -1,0 +1,274 @@
+"""`jaxgen bench`: prefill and decode measured apart, against this device's own roofline.
+
+Roofline: the memory bandwidth (a large on-device reduction: bytes read per second, the access
+pattern of decode) and the matmul rate (a large square matmul in the weights' dtype and in
+float32) are measured once. Then:
+- prefill, batch 1, over prompt lengths: tokens/s and MFU = model FLOPs / time / matmul rate;
+- decode at each number of running rows, all on one engine with as many slots as the largest:
+  aggregate tokens/s, ms per step, and MBU = bytes a step must read (weights + the KV entries it
+  attends over) / step time / bandwidth; then one row on a one-slot engine beside it (a step
+  costs what its rows cost, not what the slots do);
+- offline throughput: many requests through the engine (continuous batching), aggregate output
+  tokens/s and its ratio to the batch-1 decode rate; HF transformers beside it when installed.
+No figure blends the phases.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxgen.checkpoints.source import default_model_path
+from jaxgen.decode.buckets import bucket
+from jaxgen.decode.engine import Engine
+from jaxgen.decode.params import SamplingParams, row_params
+from jaxgen.model import kv
+from jaxgen.model.attention import cpu_chunk
+from jaxgen.model.config import LOCAL
+
+
+def _timed(fn, *args, reps: int = 5) -> float:
+  """Best-of-`reps` seconds of fn(*args) (after one warm-up call)."""
+  jax.block_until_ready(fn(*args))
+  best = float("inf")
+  for _ in range(reps):
+    t = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    best = min(best, time.perf_counter() - t)
+  return best
+
+
+def roofline(dtype: str = "float32") -> dict:
+  """Measured memory read bandwidth (bytes/s) and matmul rate (FLOP/s) of the default device."""
+  # The fastest of three ways to stream 256 MiB (a column sum, a row sum, a matrix-vector
+  # product): the ceiling is what the device can be made to read, not what one kernel reads.
+  n = 256 * 1024 * 1024 // 4
+  x = jnp.ones((n // 1024, 1024), jnp.float32)
+  vec = jnp.ones((1024,), jnp.float32)
+  bw = max(x.nbytes / _timed(jax.jit(fn), x, vec) for fn in
+           (lambda a, _: jnp.sum(a, axis=0), lambda a, _: jnp.sum(a, axis=1), lambda a, u: a @ u))
+  del x
+  out = {"mem_bw": bw}
+  for name in sorted({"float32", dtype}):
+    # The formulation the model uses: 16-bit operands accumulate in float32.
+    m = 2048
+    a = jnp.ones((m, m), name)
+    out[f"matmul_{name}"] = 2 * m**3 / _timed(
+        jax.jit(lambda p, q: jax.lax.dot_general(p, q, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)), a, a)
+  out["matmul"] = out[f"matmul_{dtype}"]
+  return out
+
+
+def model_bytes(llm) -> int:
+  return sum(int(x.nbytes) for x in jax.tree.leaves(llm.engine.params))
+
+
+def prefill_flops(cfg, t: int) -> float:
+  """Matmul FLOPs of prefilling t tokens (weights, attention over the causal/windowed prefix, and
+  the logits of the last position)."""
+  d, n, k, h, f = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim
+  per_tok = 2 * (d * n * h + 2 * d * k * h + n * h * d + 3 * d * f) * cfg.num_layers
+  attn = 0
+  for kind in cfg.layer_kinds:
+    w = cfg.sliding_window if kind == LOCAL and cfg.sliding_window else t
+    pairs = sum(min(i + 1, w) for i in range(t))  # (query, visible key) pairs
+    attn += 4 * n * h * pairs  # q.k and p.v
+  return per_tok * t + attn + 2 * cfg.vocab_size * d
+
+
+def _bench_params(max_tokens: int) -> SamplingParams:
+  return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def _engine(llm, slots: int) -> Engine:
+  return Engine(llm.model, llm.tokenizer, max_batch=slots, max_len=llm.max_len, platform=llm.platform)
+
+
+def _fill(engine: Engine, rows: int, prompt_len: int) -> Engine:
+  """Runs `rows` requests of random prompts until every one is prefilled and decoding."""
+  rng = np.random.default_rng(0)
+  for _ in range(rows):
+    engine.add_request(rng.integers(10, 1000, prompt_len).tolist(), _bench_params(engine.max_len - prompt_len - 1))
+  while engine.metrics()["running"] < rows:
+    engine.step()
+  return engine
+
+
+def bench_prefill(llm, lengths, roof) -> list[dict]:
+  eng = llm.engine
+  rows = []
+  row = row_params(_bench_params(1), prompt_len=1, stop_ids=(), seed=0)
+  for t in lengths:
+    if t >= eng.max_len:
+      continue
+    tokens = np.random.default_rng(t).integers(10, 1000, (1, t)).astype(np.int32)
+
+    def run(t=t, tokens=tokens):
+      # Chunked like the engine does it when t exceeds the largest bucket.
+      done = 0
+      while done < t:
+        n = min(eng.chunk, t - done)
+        chunk = np.zeros((1, bucket(n, eng.prompt_buckets)), np.int32)
+        chunk[0, :n] = tokens[0, done:done + n]
+        eng.state, out = eng.programs.prefill(eng.params, eng.state, chunk, np.array([n], np.int32),
+                                              np.array([0], np.int32), row, np.bool_(False), fresh=done == 0)
+        done += n
+      return out.tokens
+
+    sec = _timed(run, reps=3)
+    flops = prefill_flops(llm.cfg, t)
+    rows.append(dict(prompt_len=t, seconds=sec, tok_s=t / sec, mfu=flops / sec / roof["matmul"]))
+  return rows
+
+
+def kv_bytes_read(cache, length: int, platform, rows: int | None = None) -> int:
+  """KV bytes a decode step over the first `rows` rows (default: all) reads when each holds `length` tokens.
+
+  The CPU kernel reads just the filled entries of a float32 cache; XLA:CPU's chunked loop reads
+  whole chunks of `cpu_chunk` entries up to the filled length; the plain formulation reads every
+  entry of every layer.
+  """
+  total = 0
+  for layer in cache.layers:
+    b, kh, size, h = layer.k.shape
+    if platform.attention == "xla":
+      entries = size
+    else:
+      kernel = platform.attention == "cpu" and layer.k.dtype == jnp.float32 and h % 16 == 0
+      c = 1 if kernel else min(cpu_chunk(b * kh, 1), size)
+      entries = min(-(-min(length, kv.capacity(layer)) // c) * c, size)
+    total += int(layer.k.nbytes + layer.v.nbytes) * (rows or b) * entries // (size * b)
+  return total
+
+
+def _decode_rate(eng: Engine, rows: int, steps: int, weights: int, context: int, roof) -> dict:
+  active = np.zeros(bucket(rows, eng.row_buckets), np.bool_)
+  active[:rows] = True
+
+  def run():
+    for _ in range(steps):
+      eng.state, out = eng.programs.decode(eng.params, eng.state, active, np.bool_(False))
+    return out.tokens
+
+  sec = _timed(run, reps=3) / steps
+  moved = weights + kv_bytes_read(eng.state.cache, context + 2 * steps, eng.platform, active.size)
+  return dict(batch=rows, slots=len(eng.slots), step_rows=int(active.size), step_ms=sec * 1e3, tok_s=rows / sec,
+              mbu=moved / sec / roof["mem_bw"], bytes_per_step=moved)
+
+
+def bench_decode(llm, batches, context: int, steps: int, roof) -> list[dict]:
+  """Decode at each number of running rows on one engine of max(batches) slots, then one row on a
+  one-slot engine (the `slots_1` row): a step costs what its rows cost, not what the slots do."""
+  weights = model_bytes(llm)
+  eng = _fill(_engine(llm, max(batches)), max(batches), context)
+  out = [_decode_rate(eng, b, steps, weights, context, roof) for b in batches]
+  del eng
+  out.append(_decode_rate(_fill(_engine(llm, 1), 1, context), 1, steps, weights, context, roof))
+  return out
+
+
+def bench_throughput(llm, n_requests: int, prompt_len: int, out_len: int, slots: int) -> dict:
+  eng = _engine(llm, slots)
+  eng.warmup()
+  rng = np.random.default_rng(1)
+  prompts = [rng.integers(10, 1000, prompt_len).tolist() for _ in range(n_requests)]
+  t = time.perf_counter()
+  for p in prompts:
+    eng.add_request(p, _bench_params(out_len))
+  generated = 0
+  while eng.has_unfinished():
+    for out in eng.step():
+      if out.finished:
+        generated += sum(len(o.token_ids) for o in out.outputs)
+  sec = time.perf_counter() - t
+  m = eng.metrics()
+  return dict(requests=n_requests, prompt_len=prompt_len, out_len=out_len, slots=slots, seconds=sec,
+              out_tok_s=generated / sec, prefill_s=m["prefill_s"], decode_s=m["decode_s"])
+
+
+def bench_hf(n_requests: int, prompt_len: int, out_len: int, batch: int, dtype: str) -> dict | None:
+  """HF transformers' batched generate on the same GGUF, if the reference extra is installed."""
+  try:
+    import torch
+    import transformers
+  except ImportError:
+    return None
+  path = default_model_path()
+  torch.set_num_threads(os.cpu_count() or 1)
+  model = transformers.AutoModelForCausalLM.from_pretrained(
+      os.path.dirname(path), gguf_file=os.path.basename(path), dtype=getattr(torch, dtype))
+  rng = np.random.default_rng(1)
+  prompts = torch.tensor(rng.integers(10, 1000, (n_requests, prompt_len)))
+  t = time.perf_counter()
+  for i in range(0, n_requests, batch):
+    model.generate(prompts[i:i + batch], attention_mask=torch.ones_like(prompts[i:i + batch]),
+                   max_new_tokens=out_len, min_new_tokens=out_len, do_sample=False)
+  sec = time.perf_counter() - t
+  return dict(peer=f"transformers {transformers.__version__}", batch=batch, seconds=sec,
+              out_tok_s=n_requests * out_len / sec)
+
+
+def run(a, make_llm) -> int:
+  """`jaxgen bench` with the parsed arguments; make_llm(a, max_batch) builds the LLM the options describe."""
+  quick = a.quick
+  lengths = [int(x) for x in a.prompt_lengths.split(",")]
+  batches = [int(x) for x in a.batches.split(",")]
+  a.max_len = max(max(lengths) + 64, a.context + 256, 512)
+  llm = make_llm(a, max_batch=1)
+  info = dict(device=str(jax.devices()[0].device_kind), backend=jax.default_backend(), cores=jax.device_count(),
+              dtype=a.dtype, weights_bytes=model_bytes(llm), model=llm.cfg.family, kernels=llm.platform.kernels)
+  roof = roofline(a.dtype)
+  report = dict(info=info, roofline=roof)
+  report["prefill"] = bench_prefill(llm, lengths, roof)
+  report["decode"] = bench_decode(llm, batches, context=a.context, steps=4 if quick else 16, roof=roof)
+  if a.throughput:
+    n, pl, ol, slots = (8, 64, 16, 4) if quick else (64, 256, 128, 16)
+    report["throughput"] = bench_throughput(llm, n, pl, ol, slots)
+    b1 = next((r["tok_s"] for r in report["decode"] if r["batch"] == 1), None)
+    if b1:
+      report["throughput"]["ratio_to_batch1_decode"] = report["throughput"]["out_tok_s"] / b1
+    if a.peers:
+      report["throughput"]["hf"] = bench_hf(n, pl, ol, slots, a.dtype)
+  if a.json:
+    print(json.dumps(report, indent=1))
+  else:
+    _print(report)
+  return 0
+
+
+def _print(r: dict) -> None:
+  i, roof = r["info"], r["roofline"]
+  print(f"device: {i['device']} ({i['backend']}), weights {i['dtype']} {i['weights_bytes'] / 1e6:.0f} MB, "
+        f"kernels {i['kernels']}")
+  print(f"roofline: memory {roof['mem_bw'] / 1e9:.1f} GB/s, matmul {roof['matmul'] / 1e9:.0f} GFLOP/s ({i['dtype']})")
+  print("\nprefill (batch 1)      tokens   ms       tok/s   MFU")
+  for p in r["prefill"]:
+    print(f"                       {p['prompt_len']:6d} {p['seconds'] * 1e3:8.1f} {p['tok_s']:9.0f} {100 * p['mfu']:5.1f}%")
+  print("\ndecode          rows  slots  ms/step  tok/s   MBU")
+  for d in r["decode"]:
+    print(f"               {d['batch']:5d} {d['slots']:6d} {d['step_ms']:8.1f} {d['tok_s']:8.1f} {100 * d['mbu']:5.1f}%")
+  t = r.get("throughput")
+  if t:
+    print(f"\noffline throughput: {t['requests']} requests x (prompt {t['prompt_len']}, output {t['out_len']}), "
+          f"{t['slots']} slots: {t['out_tok_s']:.1f} output tok/s "
+          f"({t.get('ratio_to_batch1_decode', float('nan')):.1f}x batch-1 decode)")
+    if t.get("hf"):
+      h = t["hf"]
+      print(f"  {h['peer']} generate, batch {h['batch']}: {h['out_tok_s']:.1f} output tok/s")
+
+
+def add_arguments(p) -> None:
+  """The bench options (the model options are added by the CLI)."""
+  p.add_argument("--prompt-lengths", default="128,512,1024,2048")
+  p.add_argument("--batches", default="1,4,16", help="running rows to time decode at (one engine of the largest)")
+  p.add_argument("--context", type=int, default=128, help="tokens in each slot while decode is timed")
+  p.add_argument("--prefill-chunk", type=int, default=None, help="largest prefill bucket (default: the platform's)")
+  p.add_argument("--throughput", action=argparse.BooleanOptionalAction, default=True)
+  p.add_argument("--peers", action="store_true", help="also run HF transformers (needs the reference extra)")
+  p.add_argument("--quick", action="store_true", help="fewer steps and a small throughput run")
+  p.add_argument("--json", action="store_true")

@@ -1,0 +1,219 @@
+"""`LLM`: the offline API (vLLM's shape) over the engine: load, generate, stream, chat, logits."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+import warnings
+from typing import Iterator, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from jaxgen.checkpoints import source
+from jaxgen.checkpoints.chat import chat_format, conversations
+from jaxgen.decode.buckets import bucket, powers_of_two
+from jaxgen.decode.cache import CacheSpec
+from jaxgen.decode.engine import MIN_PROMPT_BUCKET, Engine
+from jaxgen.decode.outputs import RequestOutput
+from jaxgen.decode.params import SamplingParams, token_ids
+from jaxgen.decode.steps import memory_plan, state_shardings
+from jaxgen.model import platform as platforms
+from jaxgen.sharding import distributed, rules
+from jaxgen.sharding.mesh import MeshConfig, as_mesh
+from tqdm.auto import tqdm
+
+Prompt = str | Sequence[int]
+DEFAULT_COMPILATION_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "jaxgen", "xla")
+
+
+class LLM:
+  """A model with its tokenizer and a serving engine.
+
+  LLM() loads the embedded Gemma 3 270M; LLM("model.gguf", dtype="bfloat16") a given file, HF
+  directory or orbax checkpoint. max_len: tokens per cache slot (prompt + output); max_batch:
+  slots decoded together (a step covers the rows that run, not every slot).
+  mesh: a `jaxgen.sharding.MeshConfig` (or a jax Mesh) to split the model over many devices: each
+  device receives only its shards of the weights (a layout that cannot divide is refused before
+  any is placed), the memory plan (`self.plan`) is checked before the cache is allocated or any
+  program compiled, and max_batch must be a multiple of the data axis. Across several
+  processes (`jaxgen.sharding.distributed.initialize`) every process makes the same calls; only
+  process 0 gets outputs back (the others get empty lists and streams).
+  attention_impl, matmul_impl: "auto", "xla" (the plain formulation TPU and GPU run) or "cpu"
+  (jaxgen's CPU kernels); `self.platform` says what was chosen and why.
+  seed: seeds the draw of a seed for requests that give none (None: from the OS).
+  """
+
+  def __init__(self, model: str | None = None, *, dtype: str = "float32", max_len: int = 2048,
+               max_batch: int = 8, prefill_chunk: int | None = None, cache_dtype: str | None = None,
+               compilation_cache_dir: str | None = None, mesh: MeshConfig | jax.sharding.Mesh | None = None,
+               attention_impl: str = "auto", matmul_impl: str = "auto", seed: int | None = None):
+    if compilation_cache_dir:
+      jax.config.update("jax_compilation_cache_dir", compilation_cache_dir)
+      jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    t0 = time.perf_counter()
+    self.mesh = None if mesh is None else as_mesh(mesh)
+    self.platform = platforms.resolve(dtype, cache_dtype=cache_dtype, devices=1 if self.mesh is None else self.mesh.size,
+                                      matmul=matmul_impl, attention=attention_impl, prefill_chunk=prefill_chunk)
+    _warn_if_kernels_failed(self.platform)
+    self.dtype = dtype
+    self.cfg, self.model, self.tokenizer = source.load(model, dtype, mesh=self.mesh)
+    self.max_len = min(max_len, self.cfg.max_context)
+    spec = CacheSpec(slots=max_batch, max_len=self.max_len, dtype=self.platform.cache_dtype)
+    self.plan, shardings = None, None
+    if self.mesh is not None:
+      self.plan = memory_plan(self.cfg, dtype, spec, self.mesh).check()
+      shardings = {"params": rules.param_tree(nnx.state(self.model), rules.param_shardings(self.cfg, dtype, self.mesh)),
+                   "state": state_shardings(self.cfg, spec, self.mesh)}
+      # Requests without a seed draw one on the host: every process must draw the same.
+      seed = distributed.same_seed(seed if seed is not None else np.random.SeedSequence().entropy % 2**63)
+    self.load_s = time.perf_counter() - t0
+    self.engine = Engine(self.model, self.tokenizer, max_batch=max_batch, max_len=self.max_len,
+                         platform=self.platform, shardings=shardings, seed=seed)
+    self.logits_buckets = powers_of_two(self.cfg.max_context, MIN_PROMPT_BUCKET)
+
+  # ------------------------------------------------------------------------------------- scoring
+  def logits(self, token_ids_: Sequence[int]) -> np.ndarray:
+    """One uncached forward pass: float32 logits [T, V] for every position of the token ids.
+
+    The ids are padded to a power-of-two bucket, so many lengths share one compiled program.
+    """
+    ids = token_ids(token_ids_, self.cfg.vocab_size)
+    if not ids:
+      raise ValueError("token_ids is empty: give at least one token id")
+    if len(ids) > self.cfg.max_context:
+      raise ValueError(f"{len(ids)} tokens exceed the model's context length {self.cfg.max_context}")
+    tokens = np.zeros((1, bucket(len(ids), self.logits_buckets)), np.int32)
+    tokens[0, :len(ids)] = ids
+    return np.asarray(self.engine.programs.logits(self.engine.params, tokens))[0, :len(ids)]
+
+  # ---------------------------------------------------------------------------------- generation
+  def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
+               use_tqdm: bool = True) -> list[RequestOutput]:
+    """Generates for one prompt or many (str, list of str, or list of token-id lists).
+
+    Returns one RequestOutput per prompt, in input order. Every prompt is validated before any
+    runs: one bad input raises ValueError naming the prompt, and nothing is generated.
+    """
+    prompts = _as_prompt_list(prompts)
+    if isinstance(params, SamplingParams) or params is None:
+      params = [params or SamplingParams()] * len(prompts)
+    elif len(params) != len(prompts):
+      raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts; pass one or one per prompt")
+    eng = self.engine
+    ids = []
+    try:
+      for i, (p, sp) in enumerate(zip(prompts, params)):
+        try:
+          ids.append(eng.add_request(p, sp))
+        except ValueError as e:
+          raise ValueError(f"prompt {i}: {e}") from None
+    except ValueError:
+      for rid in ids:
+        eng.abort(rid)
+      while eng.has_unfinished():
+        eng.step()
+      raise
+    results: dict[str, RequestOutput] = {}
+    bar = tqdm(total=len(ids), desc="generate", unit="req", delay=1.0, leave=False,
+               disable=not use_tqdm or not distributed.is_main())
+    while eng.has_unfinished():
+      for out in eng.step():
+        if out.finished and out.request_id in ids:
+          results[out.request_id] = out
+          bar.update(1)
+    bar.close()
+    return [results[r] for r in ids] if distributed.is_main() else []
+
+  def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> "Stream":
+    """Text deltas of one request (n=1) as they are produced; `.output` is its last RequestOutput."""
+    params = params or SamplingParams()
+    if params.n != 1:
+      raise ValueError(f"SamplingParams.n={params.n}: stream() serves one sample; use generate() for n > 1")
+    return Stream(self.engine, self.engine.add_request(prompt, params))
+
+  def chat(self, messages, params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+           chat_template: str | None = None, add_generation_prompt: bool = True,
+           use_tqdm: bool = True) -> list[RequestOutput]:
+    """Replies to a conversation ([{"role": ..., "content": ...}, ...]) or a list of them (vLLM's chat).
+
+    The prompt is rendered with the model's own chat template (or `chat_template`), see
+    `jaxgen.checkpoints.chat`; generation also stops on the template's end-of-turn token.
+    """
+    fmt = chat_format(self.tokenizer, chat_template)
+    if fmt.note:
+      warnings.warn(fmt.note, stacklevel=2)
+    prompts = [fmt.encode(self.tokenizer, c, add_generation_prompt) for c in conversations(messages)]
+    many = params if isinstance(params, (list, tuple)) else [params or SamplingParams()]
+    many = [dataclasses.replace(p, stop_token_ids=sorted(set(p.stop_token_ids) | fmt.stop_ids)) for p in many]
+    return self.generate(prompts, many if isinstance(params, (list, tuple)) else many[0], use_tqdm=use_tqdm)
+
+  def warmup(self) -> float:
+    """Compiles every program serving can need (`Engine.warmup`); returns seconds."""
+    return self.engine.warmup()
+
+
+class Stream:
+  """Iterates over the text deltas of one request; `output` holds its latest RequestOutput.
+
+  Leaving the loop early (break, an exception, garbage collection) aborts the request.
+  """
+
+  def __init__(self, engine: Engine, request_id: str):
+    self.engine, self.request_id = engine, request_id
+    self.output: RequestOutput | None = None
+    self._deltas = self._run()
+
+  def __iter__(self) -> Iterator[str]:
+    return self._deltas
+
+  def __next__(self) -> str:
+    return next(self._deltas)
+
+  def close(self) -> None:
+    """Stops the stream; an unfinished request is aborted and its slot freed."""
+    self._deltas.close()
+
+  def __enter__(self) -> "Stream":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+  def _run(self) -> Iterator[str]:
+    sent = 0
+    try:
+      while self.engine.has_unfinished():
+        for out in self.engine.step():
+          if out.request_id != self.request_id:
+            continue
+          self.output = out
+          if len(out.text) > sent and distributed.is_main():
+            yield out.text[sent:]
+            sent = len(out.text)
+        if self.output is not None and self.output.finished:
+          return
+    finally:
+      if self.output is None or not self.output.finished:
+        self.engine.abort(self.request_id)
+
+
+def _warn_if_kernels_failed(platform: platforms.Platform) -> None:
+  """Shows (not only logs) why the CPU kernels could not be built where the machine could run them."""
+  status = platform.cpu_kernels
+  if status is not None and status.fault:
+    warnings.warn(f"jaxgen's CPU kernels are not used ({status.reason}); generation runs on XLA's own code, "
+                  "slower in batched decode. `jaxgen info` shows the choices.", stacklevel=3)
+
+
+def _as_prompt_list(prompts) -> list[Prompt]:
+  """A string, a list of token ids, or a list of either -> a list of prompts."""
+  if isinstance(prompts, str):
+    return [prompts]
+  prompts = list(prompts)
+  if not prompts:
+    raise ValueError("prompts is empty: give a string, a list of strings or a list of token-id lists")
+  if all(isinstance(x, (str, Sequence, np.ndarray)) for x in prompts):
+    return prompts
+  return [prompts]  # one prompt of token ids (each id is checked by the engine)
