@@ -9,16 +9,29 @@ from __future__ import annotations
 
 import os
 import pathlib
+import tempfile
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-
+from jaxgen.model import cpu_kernels
+from jaxgen.model import platform as platforms
 from jaxgen.model.config import ModelConfig, layer_pattern
 from jaxgen.model.transformer import Transformer
 
 DATA = pathlib.Path(__file__).parent / "data"
+
+# Many tests build engines over the same tiny models: identical programs. A compilation cache for
+# the session (and the subprocesses it starts) compiles each once. It starts empty every run.
+_COMPILE_CACHE = tempfile.mkdtemp(prefix="jaxgen-test-xla-")
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _COMPILE_CACHE)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def tiny_config(**kw) -> ModelConfig:
@@ -56,6 +69,21 @@ class ToyTokenizer:
 
   def decode(self, ids, skip_special_tokens: bool = True) -> str:
     return "".join(self._char(i) for i in ids if i >= 3)
+
+
+def platform_for(impl: str, dtype: str = "float32") -> platforms.Platform:
+  """A CPU platform whose ops take one side of the kernel interface: "xla" (the plain formulation
+  TPU and GPU run), "xla_chunked" (XLA:CPU's own formulations, the fallback without the kernels)
+  or "cpu" (jaxgen's CPU kernels; skipped where they cannot run)."""
+  if impl == "cpu":
+    status = cpu_kernels.status()
+    if not status.available:
+      pytest.skip(f"the CPU kernels cannot run here: {status.reason}")
+    return platforms.resolve(dtype)
+  if impl == "xla":
+    return platforms.resolve(dtype, attention="xla", matmul="xla")
+  no_kernels = cpu_kernels.Status(False, "left out on purpose by the test")
+  return platforms.resolve(dtype, kernels=no_kernels)
 
 
 def tiny_model(cfg: ModelConfig | None = None, seed: int = 0, dtype=jnp.float32) -> Transformer:

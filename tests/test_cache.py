@@ -1,4 +1,6 @@
-"""Cached prefill (fresh and chunked) + decode steps == one uncached forward, on tiny models.
+"""Cached prefill (fresh and chunked) + decode steps == one uncached forward, on tiny models,
+through every attention implementation (the plain formulation TPU and GPU run, XLA:CPU's chunked
+loop, the CPU kernel) and in the accelerators' dtypes (bf16 activations with a bf16 cache).
 
 The sliding window (8) is much shorter than the sequences, so the ring buffer of the local
 layers wraps many times, also inside one prefill chunk.
@@ -11,28 +13,32 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import platform_for, tiny_config, tiny_model
 from flax import nnx
-
 from jaxgen.decode import cache as kvc
 from jaxgen.decode import steps
+from jaxgen.model import kv
 from jaxgen.model.config import LOCAL
-from conftest import tiny_config, tiny_model
+from jaxgen.model.platform import REFERENCE
+
+IMPLS = ["xla", "xla_chunked", "cpu"]
 
 
-def cached_logits(model, ids, chunks, slots=3, slot=1, max_len=64):
+def cached_logits(model, ids, chunks, platform, slots=3, slot=1, max_len=64, cache_dtype="float32"):
   """Prefills ids[:sum(chunks)] in the given chunk sizes into `slot`, then decodes the rest
   teacher-forced. Returns {position: logits} for each chunk end and each decode step."""
   cfg = model.cfg
   gd, params = nnx.split(model)
-  cache = kvc.allocate(cfg, kvc.CacheSpec(slots, max_len))
+  cache = kvc.allocate(cfg, kvc.CacheSpec(slots, max_len, cache_dtype))
 
   @functools.partial(jax.jit, static_argnames="fresh")
   def pre(params, cache, tokens, counts, slots, fresh):
-    return steps.prefill_logits(nnx.merge(gd, params), cache, tokens, counts, slots, fresh=fresh)
+    return steps.prefill_logits(nnx.merge(gd, params), cache, tokens, counts, slots, fresh=fresh, platform=platform)
 
   @jax.jit
   def dec(params, cache, tokens, active):
-    logits, cache, _ = steps.decode_logits(nnx.merge(gd, params), cache, tokens, active)
+    logits, cache, _ = steps.decode_logits(nnx.merge(gd, params), cache, tokens, active, limit=max_len,
+                                           platform=platform)
     return logits, cache
 
   out, done = {}, 0
@@ -43,10 +49,11 @@ def cached_logits(model, ids, chunks, slots=3, slot=1, max_len=64):
     logits, cache = pre(params, cache, tokens, np.array([n], np.int32), np.array([slot], np.int32), fresh=i == 0)
     done += n
     out[done - 1] = np.asarray(logits[0])
-  active = np.zeros(slots, bool)
+  rows = slot + 1  # a decode step covers the lowest rows holding the running one
+  active = np.zeros(rows, bool)
   active[slot] = True
   for pos in range(done, len(ids)):
-    tokens = np.zeros(slots, np.int32)
+    tokens = np.zeros(rows, np.int32)
     tokens[slot] = ids[pos]
     logits, cache = dec(params, cache, tokens, active)
     out[pos] = np.asarray(logits[slot])
@@ -57,35 +64,53 @@ def cached_logits(model, ids, chunks, slots=3, slot=1, max_len=64):
 
 def uncached(model, ids):
   positions = jnp.arange(len(ids))[None]
-  return np.asarray(model.logits(model(jnp.asarray([ids]), positions)))[0]
+  return np.asarray(model.logits(model(jnp.asarray([ids]), positions)[0]))[0]
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("chunks", [(5,), (20,), (16, 7), (3, 16, 16, 2)])
-def test_cached_equals_uncached(chunks):
+def test_cached_equals_uncached(chunks, impl):
   model = tiny_model()
   ids = list(np.random.default_rng(1).integers(3, 300, 50))
   ref = uncached(model, ids)
-  got = cached_logits(model, ids, chunks)
+  got = cached_logits(model, ids, chunks, platform_for(impl))
   assert len(got) == len(chunks) + 50 - sum(chunks)
   for pos, logits in got.items():
     np.testing.assert_allclose(logits, ref[pos], atol=1e-4, rtol=1e-4, err_msg=f"position {pos}")
 
 
-def test_all_global_layers_and_grouped_heads():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_all_global_layers_and_grouped_heads(impl):
   cfg = tiny_config(sliding_window=None, layer_kinds=("global",) * 4, num_kv_heads=1, qk_norm=False,
                     sandwich_norm=False, norm_offset=0.0, activation="silu", embed_scale=False, query_scale=0.0)
   model = tiny_model(cfg)
   ids = list(np.random.default_rng(2).integers(3, 300, 30))
   ref = uncached(model, ids)
-  for pos, logits in cached_logits(model, ids, (9, 16)).items():
+  for pos, logits in cached_logits(model, ids, (9, 16), platform_for(impl)).items():
     np.testing.assert_allclose(logits, ref[pos], atol=1e-4, rtol=1e-4, err_msg=f"position {pos}")
+
+
+@pytest.mark.parametrize("chunks", [(5,), (16, 7)])
+def test_accelerator_dtypes_cached_equal_uncached(chunks):
+  """bf16 weights, bf16 activations and a bf16 cache through the plain formulation, as TPU and GPU
+  run: cached logits equal the uncached bf16 pass (same rounding points) within bf16 tolerance,
+  and pick the same top token wherever the uncached pass is decisive."""
+  model = tiny_model(dtype=jnp.bfloat16)
+  ids = list(np.random.default_rng(3).integers(3, 300, 40))
+  ref = uncached(model, ids)
+  got = cached_logits(model, ids, chunks, REFERENCE, cache_dtype="bfloat16")
+  for pos, logits in got.items():
+    np.testing.assert_allclose(logits, ref[pos], atol=0.05, rtol=0.02, err_msg=f"position {pos}")
+    top2 = np.sort(ref[pos])[-2:]
+    if top2[1] - top2[0] > 0.1:
+      assert logits.argmax() == ref[pos].argmax(), pos
 
 
 def test_entry_positions_of_ring_and_full_layers():
   lengths = jnp.array([0, 3, 8, 11])
-  ring = np.asarray(kvc.entry_positions(lengths, 4, ring=True))
+  ring = np.asarray(kv.entry_positions(lengths, 4, ring=True))
   np.testing.assert_array_equal(ring, [[-1, -1, -1, -1], [0, 1, 2, -1], [4, 5, 6, 7], [8, 9, 10, 7]])
-  full = np.asarray(kvc.entry_positions(lengths, 12, ring=False))
+  full = np.asarray(kv.entry_positions(lengths, 12, ring=False))
   np.testing.assert_array_equal(full[1], [0, 1, 2] + [-1] * 9)
   np.testing.assert_array_equal(full[3], list(range(11)) + [-1])
 
@@ -107,40 +132,39 @@ def test_attention_reads_only_up_to_the_longest_row_taking_tokens():
   a finished slot that keeps a long length does not make every later step read its entries."""
   cfg = tiny_config()
   cache = kvc.allocate(cfg, kvc.CacheSpec(3, 64))
-  start = jnp.array([5, 40, 12], jnp.int32)  # row 1: a finished request's stale length
-  counts = jnp.array([1, 0, 1], jnp.int32)
-  hook = steps._CacheHook(cfg, cache, start, counts, start[:, None], fresh=False)
-  h = cfg.head_dim
-  k = jnp.zeros((3, 1, cfg.num_kv_heads, h))
-  for i in range(cfg.num_layers):
-    blocks, _ = hook(i, k, k)
-    want = min(12, kvc.capacity(cache.layers[i]))
-    assert int(blocks[0][3]) == want, (i, int(blocks[0][3]), want)
+  rows = kv.Rows(jnp.array([5, 40, 12], jnp.int32), jnp.array([1, 0, 1], jnp.int32))  # row 1: stale
+  for i, kind in enumerate(cfg.layer_kinds):
+    block = kv.held(cache.layers[i], rows, kind == LOCAL)
+    want = min(12, kv.capacity(cache.layers[i]))
+    assert int(block.limit) == want, (i, int(block.limit), want)
+  # The control: with row 1 taking a token, its length counts.
+  block = kv.held(cache.layers[1], rows._replace(count=jnp.array([1, 1, 1], jnp.int32)), False)
+  assert int(block.limit) == 40
 
 
-def test_bench_counts_the_kv_entries_attention_reads():
-  """`jaxgen bench`'s MBU counts what attention reads: whole chunks up to the filled length (XLA's
-  loop, the scratch entry at most) or just the filled entries (the CPU kernel, in place)."""
-  from jaxgen.decode.bench import kv_bytes_read
-  from jaxgen.model.layers import attn_chunk, reads_cache_in_place
+@pytest.mark.parametrize("impl", IMPLS)
+def test_bench_counts_the_kv_entries_attention_reads(impl):
+  """`jaxgen bench`'s MBU counts what attention reads: whole chunks up to the filled length (XLA:CPU's
+  loop, the scratch entry at most), just the filled entries (the CPU kernel), or every entry (the
+  plain formulation); a step over fewer rows than slots reads only those rows."""
+  from jaxgen.bench import kv_bytes_read
+  from jaxgen.model.attention import cpu_chunk
 
   cfg = tiny_config()  # window 8: ring layers hold 8 entries (+1 scratch), global ones max_len (+1)
-  chunk = attn_chunk(2 * cfg.num_kv_heads, 1)
+  chunk = cpu_chunk(2 * cfg.num_kv_heads, 1)
   max_len = 2 * chunk + 10
   cache = kvc.allocate(cfg, kvc.CacheSpec(2, max_len))
   entry = 2 * 2 * cfg.num_kv_heads * cfg.head_dim * 4  # k and v, 2 rows, float32
   ring = cfg.layer_kinds.count(LOCAL)
   full = cfg.num_layers - ring
-  # 5 tokens: ring layers read all 9 entries (smaller than a chunk), global ones one chunk.
-  assert kv_bytes_read(cache, 5, in_place=False) == entry * (ring * 9 + full * chunk)
-  # One past a chunk: two chunks; at the end, never more than the layer holds.
-  assert kv_bytes_read(cache, chunk + 1, in_place=False) == entry * (ring * 9 + full * 2 * chunk)
-  assert kv_bytes_read(cache, max_len, in_place=False) == entry * (ring * 9 + full * (max_len + 1))
-  # In place: the filled entries, up to a ring's window.
-  assert kv_bytes_read(cache, 5, in_place=True) == entry * (ring * 5 + full * 5)
-  assert kv_bytes_read(cache, chunk + 1, in_place=True) == entry * (ring * 8 + full * (chunk + 1))
-  # Unstated: as this process's decode step does (float32 cache, head dim 16).
-  assert kv_bytes_read(cache, 5) == kv_bytes_read(cache, 5, in_place=reads_cache_in_place(np.float32, cfg.head_dim))
+  p = platform_for(impl)
+  for length, want_chunked, want_kernel in [
+      (5, ring * 9 + full * chunk, ring * 5 + full * 5),  # ring layers: all 9 entries (less than a chunk)
+      (chunk + 1, ring * 9 + full * 2 * chunk, ring * 8 + full * (chunk + 1)),
+      (max_len, ring * 9 + full * (max_len + 1), ring * 8 + full * max_len)]:  # never more than a layer holds
+    want = {"xla": ring * 9 + full * (max_len + 1), "xla_chunked": want_chunked, "cpu": want_kernel}[impl]
+    assert kv_bytes_read(cache, length, p) == entry * want, length
+    assert kv_bytes_read(cache, length, p, rows=1) == entry * want // 2
 
 
 def _cache_copies(hlo: str, shapes) -> list[str]:
@@ -155,27 +179,42 @@ def _cache_copies(hlo: str, shapes) -> list[str]:
   return found
 
 
-def test_decode_step_updates_the_cache_in_place():
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("rows", [1, 2])
+def test_decode_step_updates_the_cache_in_place(impl, rows):
   """The compiled decode step writes the new entries into the donated cache without copying it
-  (XLA copies every layer when it cannot order the write after attention's reads)."""
+  (XLA copies every layer when it cannot order the write after attention's reads), whether it
+  covers every slot or the lowest rows only."""
   from conftest import ToyTokenizer
   from jaxgen.decode.engine import Engine
 
   cfg = tiny_config()
-  eng = Engine(tiny_model(cfg), ToyTokenizer(cfg.vocab_size), max_batch=2, max_len=64)
-  hlo = eng.programs.decode.lower(eng.params, eng.state, np.ones(2, np.bool_), np.bool_(False)).compile().as_text()
+  eng = Engine(tiny_model(cfg), ToyTokenizer(cfg.vocab_size), max_batch=2, max_len=64, platform=platform_for(impl))
+  hlo = eng.programs.decode.lower(eng.params, eng.state, np.ones(rows, np.bool_), np.bool_(False)).compile().as_text()
   layers = eng.state.cache.layers
   assert _cache_copies(hlo, [l.k for l in layers]) == []
+
+
+def test_the_copy_detector_sees_a_copied_cache():
+  """The positive control of the test above: a program that reads a layer after writing it must
+  keep the old one, so XLA copies it; the detector must say so."""
+  cfg = tiny_config()
+  cache = kvc.allocate(cfg, kvc.CacheSpec(2, 64))
+
+  def both(layer):
+    new = layer.k.at[:, :, 3].set(1.0)
+    return new, layer.k.sum()
+
+  hlo = jax.jit(both, donate_argnums=0).lower(cache.layers[1]).compile().as_text()
+  assert _cache_copies(hlo, [cache.layers[1].k])
 
 
 def test_a_row_with_a_non_finite_attention_output_spoils_only_its_own_cache_entries():
   cfg = tiny_config()
   cache = kvc.allocate(cfg, kvc.CacheSpec(2, 16))
-  start = jnp.array([3, 5], jnp.int32)
-  hook = steps._CacheHook(cfg, cache, start, jnp.ones(2, jnp.int32), start[:, None], fresh=False)
+  rows = kv.Rows(jnp.array([3, 5], jnp.int32), jnp.ones(2, jnp.int32))
   k = jnp.ones((2, 1, cfg.num_kv_heads, cfg.head_dim))
-  _, store = hook(0, k, k)
   after = jnp.zeros((2, 1, cfg.num_heads, cfg.head_dim)).at[0].set(jnp.nan)
-  store(after)
-  written = hook.layers[0].k[1, :, 5]  # row 1's new entry
-  np.testing.assert_array_equal(np.asarray(written), 1.0)
+  written = kv.write(cache.layers[0], k, k, rows, after)
+  np.testing.assert_array_equal(np.asarray(written.k[1, :, 5]), 1.0)  # row 1's new entry
+  assert np.isnan(np.asarray(written.k[0, :, 3])).all()  # row 0's: the zero it carries is NaN

@@ -10,12 +10,17 @@ import json
 import pathlib
 
 import pytest
-from tokenizers import AddedToken, models
-from tokenizers import Tokenizer as Backend
-
-from jaxgen.checkpoints.chat import GEMMA_TURNS, TemplateError, chat_format, conversations, render
+from jaxgen.checkpoints.chat import (
+  GEMMA_TURNS,
+  TemplateError,
+  chat_format,
+  conversations,
+  render,
+)
 from jaxgen.checkpoints.hf_tokenizer import chat_template_of
 from jaxgen.checkpoints.tokenizer import Tokenizer
+from tokenizers import AddedToken, models
+from tokenizers import Tokenizer as Backend
 
 HF = pathlib.Path(__file__).parent / "data" / "hf"
 CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there "},

@@ -1,10 +1,12 @@
-"""The CPU bf16 matmul kernel (model/cpu_kernels.cc) against float64 numpy, and where `linear` uses it.
+"""The CPU kernels (model/cpu_kernels.cc) against float64 numpy, where `matmul` and `attention` use
+them, and the fallback when they cannot be built.
 
 Both operands are bf16, so every product is exact in float32; the kernel sums them in float32 in
 its own order. Tolerance: 1e-6 of sum |x||w| per output (float32 rounding over K <= 2048 terms
 stays below ~3e-7 of that sum).
 """
 
+import json
 import os
 import platform
 import shutil
@@ -15,9 +17,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from jaxgen.model import cpu_kernels
-from jaxgen.model import layers as L
+from jaxgen.model import platform as platforms
+from jaxgen.model.attention import KVBlock, attention, attention_xla_chunked
+from jaxgen.model.matmul import matmul
 
 RNG = np.random.default_rng(0)
 
@@ -43,7 +46,11 @@ def _bf16(shape, scale=1.0):
 def test_kernel_is_available_wherever_it_can_run():
   # A machine that can run the kernel must get it: otherwise batched bf16 decode silently falls
   # back to XLA's slower matmul.
-  assert cpu_kernels.available() == CAN_RUN
+  assert cpu_kernels.status().available == CAN_RUN, cpu_kernels.status().reason
+
+
+def kernel_platform(dtype="bfloat16"):
+  return platforms.resolve(dtype)
 
 
 @needs_kernel
@@ -72,30 +79,34 @@ def test_kernel_splits_a_large_weight_over_threads_without_gaps():
 @needs_kernel
 @pytest.mark.parametrize("rows,uses", [(1, False), (4, True), (cpu_kernels.MAX_ROWS, True),
                                        (cpu_kernels.MAX_ROWS + 1, False)])
-def test_linear_takes_the_kernel_for_decode_sized_bf16_products(rows, uses):
+def test_matmul_takes_the_kernel_for_decode_sized_bf16_products(rows, uses):
   x = jnp.asarray(RNG.normal(size=(rows, 1, 64)), jnp.float32)
   w = _bf16((48, 64), 0.05)
-  hlo = jax.jit(L.linear).lower(x, w).as_text()
+  p = kernel_platform()
+  assert p.matmul == "cpu"
+  hlo = jax.jit(lambda x, w: matmul(x, w, p)).lower(x, w).as_text()
   assert (cpu_kernels.MATMUL in hlo) == uses
-  got = np.asarray(L.linear(x, w))
+  got = np.asarray(matmul(x, w, p))
   # Multi-row products round the activations to bf16 first (the kernel and XLA alike).
   xr = np.asarray(x.astype(jnp.bfloat16) if rows > 1 else x, np.float64)
   want = xr @ np.asarray(w, np.float64).T
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_linear_keeps_xla_for_float32_weights():
+def test_float32_weights_keep_xla():
   x = jnp.asarray(RNG.normal(size=(4, 64)), jnp.float32)
   w = jnp.asarray(RNG.normal(size=(48, 64)), jnp.float32)
-  assert cpu_kernels.MATMUL not in jax.jit(L.linear).lower(x, w).as_text()
+  p = kernel_platform("float32")
+  assert p.matmul == "xla"
+  assert cpu_kernels.MATMUL not in jax.jit(lambda x, w: matmul(x, w, p)).lower(x, w).as_text()
 
 
 @needs_kernel
 def test_switch_turns_the_kernel_off():
-  code = "from jaxgen.model import cpu_kernels; print(cpu_kernels.available())"
+  code = "from jaxgen.model import cpu_kernels; print(cpu_kernels.status())"
   env = dict(os.environ, JAXGEN_CPU_KERNELS="0")
   out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-  assert out.stdout.strip() == "False"
+  assert "available=False" in out.stdout and "JAXGEN_CPU_KERNELS=0" in out.stdout
 
 
 def _numpy_cached_attention(q, kk, v, k_pos, q_pos, window, softcap):
@@ -122,27 +133,60 @@ def _numpy_cached_attention(q, kk, v, k_pos, q_pos, window, softcap):
 @pytest.mark.parametrize("limit,window,softcap", [(37, None, None), (37, 8, None), (64, None, 5.0), (1, None, None),
                                                   (100, 30, 50.0)])
 def test_cache_attention_matches_numpy_and_xla(limit, window, softcap):
-  """A decode step's cache block through the kernel (`CausalMask`) and through XLA's chunked loop
-  (a plain mask function): both equal float64 numpy. Rows differ in length and one has a hole;
-  the new token is a second block. For the kernel, values past the limit are NaN, so reading them
-  would show (XLA's loop reads whole chunks, so it gets them zeroed)."""
+  """A decode step's cache block through the kernel and through XLA's chunked loop: both equal
+  float64 numpy. Rows differ in length and one has a hole; the new token is a second block. The
+  batch is the first 3 rows of a 4-row cache (as a decode step over the lowest rows). For the
+  kernel, values past the limit are NaN, so reading them would show (XLA's loop reads whole
+  chunks, so it gets them zeroed)."""
   b, t, s, n, k, h = 3, 1, 100, 8, 2, 32
   q = RNG.normal(size=(b, t, n, h)).astype(np.float32)
-  kk = RNG.normal(size=(b, k, s + t, h)).astype(np.float32)
-  v = RNG.normal(size=(b, k, s + t, h)).astype(np.float32)
+  kk = RNG.normal(size=(b + 1, k, s + t, h)).astype(np.float32)
+  v = RNG.normal(size=(b + 1, k, s + t, h)).astype(np.float32)
   v[:, :, limit:s] = np.nan
   pos = np.where(np.arange(s) < limit, np.arange(s), -1)[None].repeat(b, 0).astype(np.int32)
   pos[1, limit // 2:] = -1  # a shorter row
   pos[2, limit // 3] = -1  # an empty entry inside a row
   q_pos = np.array([[limit], [limit // 2], [limit]], np.int32)
-  blocks = [(jnp.asarray(kk[:, :, :s]), jnp.asarray(v[:, :, :s]), jnp.asarray(pos), jnp.int32(limit)),
-            (jnp.asarray(kk[:, :, s:]), jnp.asarray(v[:, :, s:]), jnp.asarray(q_pos))]
-  mask = L.CausalMask(jnp.asarray(q_pos), window)
-  fn = jax.jit(lambda q, blocks: L.attend(q, blocks, mask, softcap))
+  blocks = [KVBlock(jnp.asarray(kk[:, :, :s]), jnp.asarray(v[:, :, :s]), jnp.asarray(pos), jnp.int32(limit)),
+            KVBlock(jnp.asarray(kk[:b, :, s:]), jnp.asarray(v[:b, :, s:]), jnp.asarray(q_pos))]
+  p = kernel_platform("float32")
+  assert p.attention == "cpu"
+  fn = jax.jit(lambda q, blocks: attention(q, blocks, jnp.asarray(q_pos), window, softcap, p))
   assert cpu_kernels.ATTENTION in fn.lower(jnp.asarray(q), blocks).as_text()
   got = np.asarray(fn(jnp.asarray(q), blocks))
-  clean = [(blocks[0][0], jnp.nan_to_num(blocks[0][1]), *blocks[0][2:]), blocks[1]]
-  xla = np.asarray(L.attend(jnp.asarray(q), clean, lambda kp: mask(kp), softcap))
-  want = _numpy_cached_attention(q, kk, v, np.concatenate([pos, q_pos], 1), q_pos, window, softcap)
+  clean = [blocks[0]._replace(v=jnp.nan_to_num(blocks[0].v)), blocks[1]]
+  xla = np.asarray(attention_xla_chunked(jnp.asarray(q), clean, jnp.asarray(q_pos), window, softcap))
+  want = _numpy_cached_attention(q, kk[:b], v[:b], np.concatenate([pos, q_pos], 1), q_pos, window, softcap)
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(got, xla, rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------- the fallback
+def test_a_failed_build_is_a_reason_not_a_crash(tmp_path):
+  """No compiler, or one that fails: the status says why, and the platform falls back to XLA:CPU's
+  formulations (which the cache and generation tests run as well)."""
+  broken = tmp_path / "cxx"
+  broken.write_text("#!/bin/sh\necho 'fatal error: immintrin.h: No such file' >&2\nexit 1\n")
+  broken.chmod(0o755)
+  status = cpu_kernels.probe(compiler=str(broken), directory=tmp_path / "cache")
+  if platform.machine().lower() in ("x86_64", "amd64") and os.environ.get("JAXGEN_CPU_KERNELS", "1") != "0":
+    assert not status.available and status.fault
+    assert "failed" in status.reason and "immintrin.h" in status.reason
+  p = platforms.resolve("bfloat16", kernels=status)
+  assert p.kernels == {"matmul": "xla_cpu", "attention": "xla_chunked"}
+  assert status.reason in p.why("matmul") and status.reason in p.why("attention")
+  with pytest.raises(ValueError, match="CPU kernels were asked for but cannot run"):
+    platforms.resolve("bfloat16", attention="cpu", kernels=status)
+
+
+def test_no_compiler_shows_in_jaxgen_info_and_generation_still_runs(tmp_path):
+  """A fresh cache directory and no compiler: `jaxgen info --json` names the reason and the XLA
+  implementations; a tiny model still generates."""
+  env = dict(os.environ, CXX=str(tmp_path / "no-such-compiler"), XDG_CACHE_HOME=str(tmp_path))
+  out = subprocess.run([sys.executable, "-m", "jaxgen.cli", "info", "--json", "--dtype", "bfloat16"], env=env,
+                       capture_output=True, text=True, check=True)
+  report = json.loads(out.stdout)
+  assert report["backend"] == "cpu" and report["devices"] and report["kernels"]["attention"] == "xla_chunked"
+  if CAN_RUN:
+    assert "failed" in report["cpu_kernels"]["reason"] and not report["cpu_kernels"]["available"]
+  assert report["kernels"]["matmul"] == "xla_cpu" and "CPU kernels:" in report["reasons"]["matmul"]

@@ -1,20 +1,35 @@
 """The continuous-batching engine on tiny random models: batch invariance, slot reuse, n > 1,
 aborts, per-request errors, metrics and zero compilations after warm-up."""
 
+import functools
 import random
 
 import numpy as np
 import pytest
-
-from conftest import ToyTokenizer, tiny_config, tiny_model
+from conftest import ToyTokenizer, platform_for, tiny_config, tiny_model
 from jaxgen import SamplingParams
 from jaxgen.decode import compiles
 from jaxgen.decode.engine import Engine
 
 
-def make_engine(slots=4, max_len=128, chunk=32, cfg=None):
+def make_engine(slots=4, max_len=128, chunk=32, cfg=None, **kw):
   cfg = cfg or tiny_config()
-  return Engine(tiny_model(cfg), ToyTokenizer(cfg.vocab_size), max_batch=slots, max_len=max_len, prefill_chunk=chunk)
+  return Engine(tiny_model(cfg), ToyTokenizer(cfg.vocab_size), max_batch=slots, max_len=max_len, prefill_chunk=chunk,
+                seed=0, **kw)
+
+
+@functools.cache
+def shared_engine(slots: int, impl: str = "default") -> Engine:
+  """One engine per (slots, kernel choice) for the module, so its programs compile once; "default"
+  is what this machine resolves to, "xla" the plain formulation TPU and GPU run."""
+  eng = make_engine(slots=slots, **({} if impl == "default" else {"platform": platform_for(impl)}))
+  return eng
+
+
+def fresh_counts(eng: Engine) -> Engine:
+  eng.stats.clear()
+  eng.decode_buckets.clear()
+  return eng
 
 
 def run(engine, requests):
@@ -41,15 +56,21 @@ def eight_requests():
   return out
 
 
-def test_seeded_requests_are_batch_invariant():
+@pytest.mark.parametrize("impl", ["default", "xla"])
+def test_seeded_requests_are_batch_invariant(impl):
+  """A seeded request gives the same tokens alone (its decode steps run over one row of the four
+  slots), among others (steps over 2 and 4 rows, rows moved down as others finish), shuffled, and
+  queued on a 2-slot engine."""
   reqs = eight_requests()
-  eng = make_engine(slots=4)
+  eng = fresh_counts(shared_engine(4, impl))
   alone = {i: run(eng, [r])[0].token_ids for i, r in enumerate(reqs)}
+  assert set(eng.decode_buckets) == {1} and eng.stats["moves"] == 0
   together = {i: o.token_ids for i, o in run(eng, reqs).items()}
+  assert {1, 2, 4} <= set(eng.decode_buckets) and eng.stats["moves"] > 0
   order = list(range(8))
   random.Random(1).shuffle(order)
   shuffled = {order[j]: o.token_ids for j, o in run(eng, [reqs[i] for i in order]).items()}
-  queued = {i: o.token_ids for i, o in run(make_engine(slots=2), reqs).items()}
+  queued = {i: o.token_ids for i, o in run(shared_engine(2, impl), reqs).items()}
   for i in range(8):
     assert len(alone[i]) == reqs[i][1].max_tokens
     assert together[i] == alone[i], f"request {i} together"
@@ -57,12 +78,30 @@ def test_seeded_requests_are_batch_invariant():
     assert queued[i] == alone[i], f"request {i} with 2 slots"
 
 
+def test_a_lone_request_decodes_over_one_row_and_keeps_its_logprobs():
+  """A greedy request gives the same tokens and logprobs whether its steps ran over 1 row of 8
+  slots or over all 8 rows (7 others running beside it)."""
+  eng = make_engine(slots=8)
+  prompt = list(range(3, 20))
+  params = SamplingParams(max_tokens=10, temperature=0.0, logprobs=2, ignore_eos=True)
+  alone = run(eng, [(prompt, params)])[0].outputs[0]
+  assert set(eng.decode_buckets) == {1}
+  others = [(list(range(5, 5 + i)), SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)) for i in range(1, 8)]
+  eng.decode_buckets.clear()
+  together = run(eng, others + [(prompt, params)])[7].outputs[0]
+  assert set(eng.decode_buckets) == {8}
+  assert together.token_ids == alone.token_ids
+  for a, b in zip(alone.logprobs, together.logprobs):  # XLA's matmuls may round differently per row count
+    assert a.keys() == b.keys()
+    np.testing.assert_allclose([v.logprob for v in a.values()], [b[k].logprob for k in a], atol=1e-5)
+
+
 def test_freed_slots_are_reused_before_the_longest_request_ends():
   lengths = [40, 3, 5, 2, 7, 3, 9, 4, 2, 6, 3, 5]
   rng = np.random.default_rng(1)
   reqs = [(rng.integers(3, 300, 10).tolist(), SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
           for n in lengths]
-  eng = make_engine(slots=4)
+  eng = fresh_counts(shared_engine(4))
   solo = {i: run(eng, [r])[0].token_ids for i, r in enumerate(reqs)}
   outs = run(eng, reqs)
   longest_end = outs[0].metrics.finished_time
@@ -74,7 +113,7 @@ def test_freed_slots_are_reused_before_the_longest_request_ends():
 
 
 def test_n_samples_share_one_prefill():
-  eng = make_engine(slots=4)
+  eng = fresh_counts(shared_engine(4))
   prompt = list(range(3, 23))  # one prefill chunk
   before = eng.stats["prefill_calls"]
   out = run(eng, [(prompt, SamplingParams(n=3, max_tokens=12, temperature=1.0, seed=5, ignore_eos=True))])[0]
@@ -87,7 +126,7 @@ def test_n_samples_share_one_prefill():
 
 
 def test_abort_reports_what_was_produced_and_frees_the_slot():
-  eng = make_engine(slots=1)
+  eng = fresh_counts(shared_engine(1))
   rid = eng.add_request(list(range(3, 20)), SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True))
   other = eng.add_request([5, 6, 7], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
   seen = []
@@ -111,7 +150,7 @@ def test_bad_request_is_rejected_alone():
   for bad, match in [(([3] * 64, SamplingParams()), "prompt has 64 tokens; the context limit is max_len=64"),
                      (([3, 4], SamplingParams(n=3)), r"n=3 exceeds the engine's max_batch=2"),
                      (([3, 4], SamplingParams(logit_bias={999: 1.0})), r"logit_bias=999 .*\[0, 300\)"),
-                     (([3, 400], SamplingParams()), r"token id 400 is outside the vocabulary \[0, 300\)")]:
+                     (([3, 400], SamplingParams()), r"token id 400 at index 1 is outside the vocabulary \[0, 300\)")]:
     with pytest.raises(ValueError, match=match):
       eng.add_request(*bad)
   with pytest.raises(ValueError, match=r"SamplingParams.logprobs=50"):
@@ -125,7 +164,7 @@ def test_bad_request_is_rejected_alone():
 
 
 def test_metrics_snapshot():
-  eng = make_engine(slots=2)
+  eng = fresh_counts(shared_engine(2))
   run(eng, eight_requests()[:4])
   m = eng.metrics()
   assert m["running"] == 0 and m["waiting"] == 0 and m["slots"] == 2

@@ -7,12 +7,10 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
-
 from conftest import tiny_model
-from jaxgen.checkpoints.gguf import _jaxgen_name, metadata
-from jaxgen.checkpoints.load import load
-from jaxgen.model.config import config_from_gguf_metadata
+from flax import nnx
+from jaxgen.checkpoints.gguf import _jaxgen_name, config_from_gguf_metadata, metadata
+from jaxgen.checkpoints.source import load
 
 TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>"] + [f"<0x{b:02X}>" for b in range(256)] + [
     "▁", "a", "b", "c", "▁a", "▁b", "ab", "▁ab"] + [f"t{i}" for i in range(32)]
@@ -36,6 +34,7 @@ def write_gguf(path, arch="gemma3", layers=6, bad_shape=None, extra_tensor=None)
   w.add_rope_freq_base(1e6)
   if arch == "gemma3":
     w.add_sliding_window(8)
+    w.add_attention_scale(0.125)  # query_pre_attn_scalar 64, not head_dim: only the metadata can say
   w.add_tokenizer_model("llama")
   w.add_token_list(TOKENS)
   w.add_token_scores([0.0] * len(TOKENS))
@@ -51,6 +50,7 @@ def write_gguf(path, arch="gemma3", layers=6, bad_shape=None, extra_tensor=None)
           "tokenizer.ggml.tokens": TOKENS}
   if arch == "gemma3":
     meta[f"{arch}.attention.sliding_window"] = 8
+    meta[f"{arch}.attention.scale"] = 0.125
   model = tiny_model(config_from_gguf_metadata(meta)) if arch in ("gemma3", "llama") else None
   if model is not None:
     for name, value in gguf_tensors(model, arch).items():
@@ -106,7 +106,7 @@ _LAYERS = {k: _jaxgen_name(f"blk.0.{k}").split(".")[-1] for k in (
 
 
 def logits(model, ids):
-  return np.asarray(model.logits(model(jnp.asarray([ids]), jnp.arange(len(ids))[None])))[0]
+  return np.asarray(model.logits(model(jnp.asarray([ids]), jnp.arange(len(ids))[None])[0]))[0]
 
 
 @pytest.mark.parametrize("arch", ["gemma3", "llama"])

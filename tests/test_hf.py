@@ -16,15 +16,14 @@ import shutil
 
 import numpy as np
 import pytest
-from safetensors.numpy import load_file, save_file
-
 from jaxgen import LLM, SamplingParams
-from jaxgen.checkpoints import orbax_io
 from jaxgen.checkpoints.chat import chat_format
 from jaxgen.checkpoints.convert import convert
 from jaxgen.checkpoints.hf import config_from_hf, read_hf
 from jaxgen.checkpoints.hf_tokenizer import tokenizer_from_hf_dir
-from jaxgen.checkpoints.load import load
+from jaxgen.checkpoints.source import load
+from jaxgen.model.params import flat_params
+from safetensors.numpy import load_file, save_file
 
 HF = pathlib.Path(__file__).parent / "data" / "hf"
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma3"]
@@ -176,7 +175,7 @@ def test_convert_hf_to_orbax_round_trip(tmp_path):
   _, hf_model, hf_tok = load(str(HF / "qwen3"), dtype="bfloat16")
   cfg, model, tok = load(str(dst), dtype="bfloat16")
   assert cfg == hf_model.cfg
-  a, b = orbax_io.flat_params(hf_model), orbax_io.flat_params(model)
+  a, b = flat_params(hf_model), flat_params(model)
   assert a.keys() == b.keys()
   for k in a:
     assert np.array_equal(np.asarray(a[k]), np.asarray(b[k])), k
@@ -282,7 +281,7 @@ def test_cached_greedy_equals_uncached_when_every_layer_has_a_window():
 
 def test_cli_chat_streams_replies_and_keeps_the_conversation(monkeypatch, capsys):
   """Each turn's prompt is the whole conversation so far rendered by the template; /reset starts over."""
-  from jaxgen.decode.cli import main
+  from jaxgen.cli import main
 
   record, _ = golden("qwen3")
   system, user, _, _ = record["chats"][0]["messages"]

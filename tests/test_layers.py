@@ -1,10 +1,14 @@
 """Component numerics against numpy: RMSNorm, RoPE, GELU, masks (hand-written), attention."""
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
+from jaxgen.model import cpu_kernels
 from jaxgen.model import layers as L
+from jaxgen.model.attention import IMPLS, KVBlock, attention, attention_xla_chunked
+from jaxgen.model.platform import REFERENCE
 
 RNG = np.random.default_rng(0)
 
@@ -82,28 +86,37 @@ def _numpy_attention(q, kk, v, mask, softcap=None):
   return out
 
 
-def test_grouped_attention_matches_numpy():
-  b, t, s, n, k, h = 1, 3, 5, 4, 2, 8
+def _platform(impl):
+  if impl == "cpu" and not cpu_kernels.status().available:
+    pytest.skip(f"the CPU kernels cannot run here: {cpu_kernels.status().reason}")
+  return dataclasses.replace(REFERENCE, attention=impl)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_grouped_attention_matches_numpy(impl):
+  b, t, s, n, k, h = 1, 3, 5, 4, 2, 16
   q = RNG.normal(size=(b, t, n, h)).astype(np.float32)
   kk = RNG.normal(size=(b, k, s, h)).astype(np.float32)
   v = RNG.normal(size=(b, k, s, h)).astype(np.float32)
-  mask = RNG.random((b, t, s)) > 0.3
-  mask[..., 0] = True
-  pos = jnp.broadcast_to(jnp.arange(s), (b, s))
-  blocks = [(jnp.asarray(kk[:, :, :2]), jnp.asarray(v[:, :, :2]), pos[:, :2]),  # split in two blocks
-            (jnp.asarray(kk[:, :, 2:]), jnp.asarray(v[:, :, 2:]), pos[:, 2:])]
-  mask_fn = lambda k_pos: jnp.asarray(mask)[:, :, k_pos[0]]  # noqa: E731
-  out = np.asarray(L.attend(jnp.asarray(q), blocks, mask_fn, None))
+  k_pos = np.array([[0, 1, 2, -1, 3]])  # an empty entry
+  q_pos = np.array([[1, 2, 3]])
+  mask = (k_pos[:, None] >= 0) & (k_pos[:, None] <= q_pos[:, :, None])
+  blocks = [KVBlock(jnp.asarray(kk[:, :, :2]), jnp.asarray(v[:, :, :2]), jnp.asarray(k_pos[:, :2])),  # two blocks
+            KVBlock(jnp.asarray(kk[:, :, 2:]), jnp.asarray(v[:, :, 2:]), jnp.asarray(k_pos[:, 2:]))]
+  out = np.asarray(attention(jnp.asarray(q), blocks, jnp.asarray(q_pos), None, None, _platform(impl)))
   np.testing.assert_allclose(out, _numpy_attention(q, kk, v, mask), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("limit, chunk", [(13, 4), (12, 4), (3, 8), (20, 6), (1, 3)])
-def test_attention_read_in_chunks_up_to_a_limit_matches_numpy(limit, chunk):
-  """A cache block with a limit is folded in `chunk` keys at a time (online softmax); keys past
-  the limit are never read, including when the last chunk is moved back to fit (20 keys, 6).
-  Chunks of 6 and 8 keys outnumber the 4 query rows (T x G), so their score matmul takes the
-  keys-on-the-left form that decode uses; chunks of 3 and 4 take the queries-on-the-left one."""
-  b, t, s, n, k, h = 2, 2, 20, 4, 2, 8
+def test_attention_up_to_a_limit_matches_numpy(impl, limit, chunk):
+  """A cache block with a limit: keys past it are invisible. XLA:CPU folds the block in `chunk`
+  keys at a time (online softmax) and never reads past the chunk that holds the limit, including
+  when the last chunk is moved back to fit (20 keys, 6): values there are NaN, so a read would
+  show. Chunks of 6 and 8 keys outnumber the 4 query rows (T x G), so their score matmul takes the
+  keys-on-the-left form that decode uses; chunks of 3 and 4 take the queries-on-the-left one.
+  The batch reads rows 1 and 3 of a 4-row cache (`rows`)."""
+  b, t, s, n, k, h = 2, 2, 20, 4, 2, 16
   q = RNG.normal(size=(b, t, n, h)).astype(np.float32)
   kk = RNG.normal(size=(b, k, s + t, h)).astype(np.float32)
   v = RNG.normal(size=(b, k, s + t, h)).astype(np.float32)
@@ -112,22 +125,29 @@ def test_attention_read_in_chunks_up_to_a_limit_matches_numpy(limit, chunk):
   q_pos = limit + np.arange(t)[None].repeat(b, 0)  # the new tokens, after the cache
   k_pos = np.concatenate([pos, q_pos], axis=1)
   mask = (k_pos[:, None, :] >= 0) & (k_pos[:, None, :] <= q_pos[:, :, None])
-  # Past the chunk that holds the limit, values are NaN: reading them would make the output NaN.
-  v[:, :, -(-limit // chunk) * chunk:s] = np.nan
-  blocks = [(jnp.asarray(kk[:, :, :s]), jnp.asarray(v[:, :, :s]), jnp.asarray(pos), jnp.int32(limit)),
-            (jnp.asarray(kk[:, :, s:]), jnp.asarray(v[:, :, s:]), jnp.asarray(q_pos))]
+  poisoned = v.copy()
+  if impl != "xla":  # the reference reads every entry and masks what it may not see
+    poisoned[:, :, -(-limit // chunk) * chunk:s] = np.nan
+  cache_k = np.zeros((4, k, s, h), np.float32)
+  cache_v = np.zeros((4, k, s, h), np.float32)
+  cache_k[[1, 3]], cache_v[[1, 3]] = kk[:, :, :s], poisoned[:, :, :s]
+  blocks = [KVBlock(jnp.asarray(cache_k), jnp.asarray(cache_v), jnp.asarray(pos), jnp.int32(limit), jnp.array([1, 3])),
+            KVBlock(jnp.asarray(kk[:, :, s:]), jnp.asarray(v[:, :, s:]), jnp.asarray(q_pos))]
   for softcap in (None, 5.0):
-    out = np.asarray(L.attend(jnp.asarray(q), blocks, lambda kp: L.attention_mask(jnp.asarray(q_pos), kp, None),
-                              softcap, chunk=chunk))
-    np.testing.assert_allclose(out, _numpy_attention(q, kk, np.nan_to_num(v), mask, softcap), rtol=1e-5, atol=1e-5)
+    if impl == "xla_chunked":
+      out = attention_xla_chunked(jnp.asarray(q), blocks, jnp.asarray(q_pos), None, softcap, chunk=chunk)
+    else:
+      out = attention(jnp.asarray(q), blocks, jnp.asarray(q_pos), None, softcap, _platform(impl))
+    np.testing.assert_allclose(np.asarray(out), _numpy_attention(q, kk, v, mask, softcap), rtol=1e-5, atol=1e-5)
 
 
-def test_attention_with_only_a_chunked_block():
-  b, t, s, n, k, h = 1, 1, 10, 2, 1, 4
+@pytest.mark.parametrize("impl", IMPLS)
+def test_attention_with_only_a_limited_block(impl):
+  b, t, s, n, k, h = 1, 1, 10, 2, 1, 16
   q = RNG.normal(size=(b, t, n, h)).astype(np.float32)
   kk = RNG.normal(size=(b, k, s, h)).astype(np.float32)
   v = RNG.normal(size=(b, k, s, h)).astype(np.float32)
   pos = jnp.arange(s)[None]
-  out = L.attend(jnp.asarray(q), [(jnp.asarray(kk), jnp.asarray(v), pos, jnp.int32(s))],
-                 lambda p: jnp.ones((b, t, p.shape[1]), bool), None, chunk=4)
+  out = attention(jnp.asarray(q), [KVBlock(jnp.asarray(kk), jnp.asarray(v), pos, jnp.int32(s))], jnp.array([[s]]),
+                  None, None, _platform(impl))
   np.testing.assert_allclose(np.asarray(out), _numpy_attention(q, kk, v, np.ones((b, t, s), bool)), rtol=1e-5, atol=1e-5)

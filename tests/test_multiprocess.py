@@ -84,10 +84,9 @@ def worker(pid: int | None, port: str | None) -> dict:
   import jax
 
   sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-  from test_sharding import _tiny_cfg, _use_tiny_model
-
   from jaxgen import LLM
   from jaxgen.sharding.mesh import MeshConfig
+  from test_sharding import _tiny_cfg, _use_tiny_model
 
   _use_tiny_model(_tiny_cfg())
   kw = dict(max_len=64, max_batch=4, prefill_chunk=16)

