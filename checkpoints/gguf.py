@@ -23,7 +23,7 @@ from typing import Any, Mapping
 
 import gguf
 import numpy as np
-from jaxgen.model.config import FAMILY_DEFAULTS, ModelConfig, layer_pattern
+from jaxgen.model.config import FAMILY_DEFAULTS, LOCAL, ModelConfig, layer_pattern
 
 GGUF_MAGIC = b"GGUF"
 ROPE_FREQS = "rope_freqs.weight"
@@ -174,6 +174,14 @@ def _rope_scaling(arch: str, meta: Mapping[str, Any], source: str) -> dict:
                    "(supported: 'none', 'linear', 'llama3' and the rope_freqs tensor)")
 
 
+def _layer_kinds(arch: str, n_layers: int, global_every: int | None, window: int | None) -> tuple[str, ...]:
+  """Which layers slide: Gemma's fixed patterns; for a family without one (Mistral), a window in the
+  metadata means every layer slides, as the same key means in its HF config."""
+  if window and not global_every:
+    return (LOCAL,) * n_layers
+  return layer_pattern(n_layers, global_every, window)
+
+
 def _optional_float(x) -> float | None:
   return None if x is None else float(x)
 
@@ -214,7 +222,7 @@ def config_from_gguf_metadata(meta: Mapping[str, Any], source: str = "<gguf>") -
       rope_base=base,
       rope_base_local=float(meta.get(f"{arch}.rope.freq_base_swa", fam.get("rope_base_local", base))),
       sliding_window=int(window) if window else None,
-      layer_kinds=layer_pattern(n_layers, fam.get("global_every"), int(window) if window else None),
+      layer_kinds=_layer_kinds(arch, n_layers, fam.get("global_every"), int(window) if window else None),
       query_scale=_query_scale(arch, meta, n_layers, d, source),
       embed_scale=fam.get("embed_scale", False),
       activation=fam["activation"],

@@ -4,8 +4,16 @@
 backend does not carry itself: which ids are BOS/EOS/PAD/UNK, whether BOS is prepended, and which
 ids end a turn. Any backend works, e.g. one read from an HF `tokenizer.json`.
 
-`tokenizer_from_gguf` builds the backend from a GGUF file's `tokenizer.ggml.*` metadata. Supported
-is `tokenizer.ggml.model = "llama"`, llama.cpp's name for a SentencePiece BPE vocabulary with byte
+`tokenizer_from_gguf` builds the backend from a GGUF file's `tokenizer.ggml.*` metadata. Two kinds
+of vocabulary are supported.
+
+`tokenizer.ggml.model = "gpt2"` is byte-level BPE (Llama 3, Qwen 2/3, ...): the file lists the
+tokens, spelled in GPT-2's byte alphabet, and the merges. What it does not hold is how text is cut
+into words before BPE; it names that with `tokenizer.ggml.pre`, and `BYTE_LEVEL_SPLITS` maps each
+name jaxgen knows to its regular expression. A name not in the table is refused: splitting with the
+wrong expression gives other ids for the same text, silently.
+
+`tokenizer.ggml.model = "llama"` is llama.cpp's name for a SentencePiece BPE vocabulary with byte
 fallback (Llama 1/2, Mistral, Gemma, ...). The file lists no merges for it, so they are derived from
 the vocabulary, as HF's SentencePiece conversion does:
 
@@ -26,7 +34,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Iterable
 
-from tokenizers import AddedToken, decoders, models, normalizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as Backend
 
 if TYPE_CHECKING:
@@ -42,7 +50,20 @@ END_OF_TURN_TOKENS = ("<end_of_turn>", "<|eot_id|>", "<|eom_id|>", "<|im_end|>",
 # gguf.TokenType values
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
 
-SUPPORTED_GGUF_TOKENIZERS = ("llama",)
+SUPPORTED_GGUF_TOKENIZERS = ("llama", "gpt2")
+
+# How byte-level vocabularies cut text into words, by llama.cpp's `tokenizer.ggml.pre` names.
+# GPT-2's own expression is the ByteLevel pre-tokenizer's built-in one (None here).
+_LLAMA3_WORDS = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_WORDS = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+BYTE_LEVEL_SPLITS: dict[str, str | None] = {
+    "default": None, "gpt-2": None, "gpt2": None,
+    "llama-bpe": _LLAMA3_WORDS, "llama3": _LLAMA3_WORDS, "llama-v3": _LLAMA3_WORDS,
+    "smaug-bpe": _LLAMA3_WORDS, "falcon3": _LLAMA3_WORDS, "dbrx": _LLAMA3_WORDS,
+    "qwen2": _QWEN2_WORDS, "deepseek-r1-qwen": _QWEN2_WORDS,
+}
 
 
 class Tokenizer:
@@ -118,14 +139,52 @@ def tokenizer_from_gguf(reader: "gguf.GGUFReader") -> Tokenizer:
 
   ids = {name: field(f"tokenizer.ggml.{name}_token_id")
          for name in ("bos", "eos", "padding", "unknown")}
-  backend = spm_bpe_backend(tokens, types, unk_id=ids["unknown"],
-                            add_space_prefix=bool(field("tokenizer.ggml.add_space_prefix", False)),
-                            special_ids=[i for i in ids.values() if i is not None])
+  special_ids = [i for i in ids.values() if i is not None]
+  if kind == "gpt2":
+    pre = field("tokenizer.ggml.pre", "default")
+    if pre not in BYTE_LEVEL_SPLITS:
+      raise ValueError(f"unsupported GGUF pre-tokenizer: tokenizer.ggml.pre = {pre!r}; jaxgen knows how "
+                       f"to split text for {', '.join(sorted(BYTE_LEVEL_SPLITS))}")
+    merges = field("tokenizer.ggml.merges")
+    if not merges:
+      raise ValueError("GGUF byte-level tokenizer metadata has no tokenizer.ggml.merges")
+    backend = byte_level_backend(tokens, types, merges, BYTE_LEVEL_SPLITS[pre], special_ids=special_ids)
+    add_bos_default = False  # byte-level vocabularies state it when they want BOS (Llama 3 does)
+  else:
+    backend = spm_bpe_backend(tokens, types, unk_id=ids["unknown"],
+                              add_space_prefix=bool(field("tokenizer.ggml.add_space_prefix", False)),
+                              special_ids=special_ids)
+    add_bos_default = True  # llama.cpp's default for SentencePiece vocabularies
   return Tokenizer(backend, bos_id=ids["bos"], eos_id=ids["eos"], pad_id=ids["padding"],
                    unk_id=ids["unknown"],
-                   add_bos=bool(field("tokenizer.ggml.add_bos_token", True)),  # llama.cpp's default
+                   add_bos=bool(field("tokenizer.ggml.add_bos_token", add_bos_default)),
                    add_eos=bool(field("tokenizer.ggml.add_eos_token", False)),
                    chat_template=field("tokenizer.chat_template"))
+
+
+def byte_level_backend(tokens: list[str], types: list[int], merges: list[str], split: str | None, *,
+                       special_ids: Iterable[int] = ()) -> Backend:
+  """A `tokenizers` byte-level BPE from GGUF tokens and "left right" merges; words cut by `split`
+  (a regular expression; None for GPT-2's)."""
+  vocab: dict[str, int] = {}
+  for i, t in enumerate(tokens):
+    vocab.setdefault(t, i)
+  pairs = [tuple(m.split(" ", 1)) for m in merges]
+  backend = Backend(models.BPE(vocab, pairs, fuse_unk=False))
+  if split is None:
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+  else:
+    backend.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(split), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+  backend.decoder = decoders.ByteLevel()
+  special_ids = set(special_ids)
+  backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                              for i, (t, k) in enumerate(zip(tokens, types))
+                              if k in (_CONTROL, _UNKNOWN) or i in special_ids])
+  backend.add_tokens([AddedToken(t, special=False, normalized=False)
+                      for i, (t, k) in enumerate(zip(tokens, types)) if k == _USER_DEFINED and i not in special_ids])
+  return backend
 
 
 def spm_bpe_backend(tokens: list[str], types: list[int], *, unk_id: int | None = None,

@@ -1,16 +1,21 @@
-"""GGUF reading on small files written here with the `gguf` package: llama.cpp's conventions
-(Gemma's stored 1 + w norms, llama's interleaved q/k rows) are undone, and bad files are refused
-with errors that name the file or tensor."""
+"""GGUF reading: tiny models of every supported family, written as llama.cpp writes them, give
+transformers' logits and the models' own token ids; what GGUF cannot state is refused; bad files
+are refused with errors that name the file or tensor."""
 
 import dataclasses
+import functools
+import json
+import pathlib
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import tiny_model
 from flax import nnx
+from jaxgen import LLM
 from jaxgen.checkpoints.gguf import _jaxgen_name, config_from_gguf_metadata, metadata
 from jaxgen.checkpoints.source import load
+from jaxgen.checkpoints.tokenizer import tokenizer_from_gguf
 
 TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>"] + [f"<0x{b:02X}>" for b in range(256)] + [
     "▁", "a", "b", "c", "▁a", "▁b", "ab", "▁ab"] + [f"t{i}" for i in range(32)]
@@ -105,23 +110,125 @@ _LAYERS = {k: _jaxgen_name(f"blk.0.{k}").split(".")[-1] for k in (
     "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")}
 
 
+# --------------------------------------------------------------- real models, against transformers
+# tests/data/gguf/ holds the tiny HF fixtures (tests/data/hf/) written as llama.cpp's converter writes
+# them (tools/make_hf_fixtures.py). An F32 file holds the same float32 weights, so jaxgen reading it
+# must give transformers' logits on the safetensors; a Q8_0 file's reference is transformers reading
+# that same GGUF (its own dequantization and un-permutation) with the true config.
+DATA = pathlib.Path(__file__).parent / "data"
+GGUF_FILES = sorted(p.name for p in (DATA / "gguf").glob("*.gguf"))
+ATOL = 1e-4
+
+
+@functools.cache
+def gguf_llm(name: str) -> LLM:
+  return LLM(str(DATA / "gguf" / name), max_len=128, max_batch=1)
+
+
+def reference(name: str) -> tuple[dict, dict]:
+  family, qtype = name.split(".")[:2]
+  record = json.loads((DATA / "hf" / f"{family}.json").read_text(encoding="utf-8"))
+  npz = DATA / "hf" / f"{family}.npz" if qtype == "f32" else DATA / "gguf" / f"{family}.{qtype}.npz"
+  return record, dict(np.load(npz))
+
+
+def test_every_family_has_a_gguf_file():
+  assert {n.split(".")[0] for n in GGUF_FILES} == {"llama", "qwen2", "qwen3", "mistral", "gemma3", "gemma2"}
+  assert {n.split(".")[1] for n in GGUF_FILES} == {"f32", "q8_0"}
+
+
+@pytest.mark.parametrize("name", GGUF_FILES)
+def test_gguf_logits_match_transformers(name):
+  llm = gguf_llm(name)
+  record, arrays = reference(name)
+  for i in range(len(record["prompts"])):
+    ids = arrays[f"ids_{i}"].tolist()
+    np.testing.assert_allclose(llm.logits(ids), arrays[f"logits_{i}"], atol=ATOL, rtol=0, err_msg=f"{name} prompt {i}")
+
+
+@pytest.mark.parametrize("name", [n for n in GGUF_FILES if ".f32." in n])
+def test_gguf_tokenizer_matches_the_models_own(name):
+  """Byte-level (Llama 3's and Qwen's word splits) and SentencePiece vocabularies read from GGUF
+  metadata give the ids of the model's tokenizer.json, and decode back."""
+  tok = gguf_llm(name).tokenizer
+  record, _ = reference(name)
+  for p in record["prompts"]:
+    assert tok.encode(p["text"]) == p["ids"], name
+    assert tok.decode(p["ids"], skip_special_tokens=True) == p["decoded"]
+
+
+def test_llama3_rope_freqs_tensor_is_applied():
+  """Without the rope_freqs divisors the same file computes measurably different logits: the
+  logits test above would catch a loader that dropped them."""
+  llm = gguf_llm("llama.f32.gguf")
+  assert llm.cfg.rope_factors is not None and max(llm.cfg.rope_factors) == 8.0
+  _, arrays = reference("llama.f32.gguf")
+  cfg, model, _ = load(str(DATA / "gguf" / "llama.f32.gguf"), "float32")
+  unscaled = nnx.merge(nnx.graphdef(tiny_model(dataclasses.replace(cfg, rope_factors=None))), nnx.state(model))
+  ids = arrays["ids_1"].tolist()
+  np.testing.assert_allclose(logits(model, ids), arrays["logits_1"], atol=ATOL, rtol=0)
+  assert np.abs(logits(unscaled, ids) - arrays["logits_1"]).max() > 10 * ATOL
+
+
+def test_mistral_window_from_gguf_metadata_applies_to_every_layer():
+  assert gguf_llm("mistral.f32.gguf").cfg.layer_kinds == ("local", "local")
+
+
+def _gemma_meta(arch: str, layers: int, d: int, **extra) -> dict:
+  return {"general.architecture": arch, f"{arch}.context_length": 256, f"{arch}.embedding_length": d,
+          f"{arch}.block_count": layers, f"{arch}.feed_forward_length": 4 * d, f"{arch}.attention.head_count": 32,
+          f"{arch}.attention.head_count_kv": 16, f"{arch}.attention.key_length": 128,
+          f"{arch}.attention.sliding_window": 4096, "tokenizer.ggml.tokens": ["a"] * 8, **extra}
+
+
+@pytest.mark.parametrize("arch,layers,d,scalar", [("gemma2", 46, 4608, 144), ("gemma3", 62, 5376, 168),
+                                                  ("gemma3", 18, 640, 256)])
+def test_gemma_query_scale_of_published_sizes(arch, layers, d, scalar):
+  assert config_from_gguf_metadata(_gemma_meta(arch, layers, d)).query_scale == pytest.approx(scalar ** -0.5)
+
+
+def test_gemma_of_unknown_size_without_scale_is_refused():
+  with pytest.raises(ValueError, match=r"query scale of a gemma3 model with 20 layers of 1000 cannot be determined"):
+    config_from_gguf_metadata(_gemma_meta("gemma3", 20, 1000))
+  meta = _gemma_meta("gemma3", 20, 1000, **{"gemma3.attention.scale": 0.1})
+  assert config_from_gguf_metadata(meta).query_scale == pytest.approx(0.1)
+
+
+def test_rope_scaling_jaxgen_does_not_implement_is_refused():
+  meta = _gemma_meta("gemma3", 18, 640, **{"gemma3.rope.scaling.type": "yarn", "gemma3.rope.scaling.factor": 4.0})
+  with pytest.raises(ValueError, match=r"rope.scaling.type='yarn' is not implemented"):
+    config_from_gguf_metadata(meta)
+
+
+def test_unknown_byte_level_pre_tokenizer_is_refused(tmp_path):
+  import gguf
+
+  src = gguf.GGUFReader(str(DATA / "gguf" / "qwen3.f32.gguf"))
+  fields = {k: f.contents() for k, f in src.fields.items() if not k.startswith("GGUF.")}
+  fields["tokenizer.ggml.pre"] = "some-new-model"
+  with pytest.raises(ValueError, match=r"tokenizer.ggml.pre = 'some-new-model'"):
+    tokenizer_from_gguf(_FakeReader(fields))
+
+
+class _FakeReader:
+  """Just enough of GGUFReader for tokenizer_from_gguf: fields with .contents()."""
+
+  class _Field:
+    def __init__(self, value):
+      self.value = value
+
+    def contents(self):
+      return self.value
+
+  def __init__(self, fields):
+    self.fields = {k: self._Field(v) for k, v in fields.items()}
+
+
 def logits(model, ids):
   return np.asarray(model.logits(model(jnp.asarray([ids]), jnp.arange(len(ids))[None])[0]))[0]
 
 
-@pytest.mark.parametrize("arch", ["gemma3", "llama"])
-def test_gguf_round_trip_undoes_llama_cpp_conventions(tmp_path, arch):
-  path = tmp_path / f"{arch}.gguf"
-  model = write_gguf(path, arch)
-  cfg, loaded, tok = load(str(path), "float32")
-  assert dataclasses.replace(cfg, norm_eps=1e-6) == model.cfg  # GGUF stores eps as float32
-  if arch == "gemma3":
-    assert cfg.layer_kinds == ("local",) * 5 + ("global",) and cfg.sliding_window == 8 and cfg.norm_offset == 1.0
-  ids = [2, 5, 9, 270, 281, 299, 3, 40, 100, 12, 13]
-  np.testing.assert_allclose(logits(loaded, ids), logits(model, ids), atol=1e-5, rtol=1e-5)
-  assert tok.encode("ab a", add_special_tokens=True)[0] == 2
-
-
+# --------------------------------------------------------------- malformed files are refused by name
 def test_missing_file(tmp_path):
   with pytest.raises(FileNotFoundError, match="nope.gguf"):
     load(str(tmp_path / "nope.gguf"))

@@ -1,4 +1,4 @@
-"""Hugging Face directories: tiny random Llama, Qwen2, Qwen3, Mistral and Gemma 3 models against transformers.
+"""Hugging Face directories: tiny random Llama, Qwen2, Qwen3, Mistral, Gemma 3 and Gemma 2 models against transformers.
 
 The fixtures under tests/data/hf/ were written by tools/make_hf_fixtures.py: each model directory
 (config.json, safetensors, tokenizer files, chat template) with transformers' float32 logits for
@@ -26,7 +26,7 @@ from jaxgen.model.params import flat_params
 from safetensors.numpy import load_file, save_file
 
 HF = pathlib.Path(__file__).parent / "data" / "hf"
-FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma3"]
+FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma3", "gemma2"]
 LOGITS_ATOL = 1e-4
 
 
@@ -88,7 +88,7 @@ def test_chat_stops_on_the_end_of_turn_token(name):
   conv = record["chats"][0]["messages"]
   fmt = chat_format(llm.tokenizer)
   end = {"llama": "<|eot_id|>", "qwen2": "<|im_end|>", "qwen3": "<|im_end|>", "mistral": "</s>",
-         "gemma3": "<end_of_turn>"}[name]
+         "gemma3": "<end_of_turn>", "gemma2": "<end_of_turn>"}[name]
   end_id = llm.tokenizer.token_to_id(end)
   assert end_id in fmt.stop_ids
   # Make the end-of-turn token the greedy choice after two tokens: the reply must stop there.
@@ -304,3 +304,11 @@ def test_cli_chat_streams_replies_and_keeps_the_conversation(monkeypatch, capsys
   second = first + [{"role": "assistant", "content": "Paris."}, {"role": "user", "content": "Again?"}]
   assert [p for p, _ in prompts] == [fmt.encode(tok, first), fmt.encode(tok, second), fmt.encode(tok, first)]
   assert tok.token_to_id("<|im_end|>") in prompts[0][1].stop_token_ids
+
+
+def test_explicit_layer_types_are_followed():
+  """A config's own layer_types list wins over the family's default pattern."""
+  gemma = json.loads((HF / "gemma3" / "config.json").read_text())
+  kinds = ["sliding_attention", "full_attention", "sliding_attention"]
+  cfg = config_from_hf(gemma | {"num_hidden_layers": 3, "layer_types": kinds})
+  assert cfg.layer_kinds == ("local", "global", "local")
