@@ -85,6 +85,11 @@ def _bench_params(max_tokens: int) -> SamplingParams:
   return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
+def prompt_ids(rng: np.random.Generator, shape, vocab_size: int) -> np.ndarray:
+  """Random ordinary token ids (above the first specials, within any vocabulary) for timing."""
+  return rng.integers(min(10, vocab_size - 1), min(1000, vocab_size), shape)
+
+
 def _engine(llm, slots: int) -> Engine:
   return Engine(llm.model, llm.tokenizer, max_batch=slots, max_len=llm.max_len, platform=llm.platform)
 
@@ -93,7 +98,8 @@ def _fill(engine: Engine, rows: int, prompt_len: int) -> Engine:
   """Runs `rows` requests of random prompts until every one is prefilled and decoding."""
   rng = np.random.default_rng(0)
   for _ in range(rows):
-    engine.add_request(rng.integers(10, 1000, prompt_len).tolist(), _bench_params(engine.max_len - prompt_len - 1))
+    engine.add_request(prompt_ids(rng, prompt_len, engine.cfg.vocab_size).tolist(),
+                       _bench_params(engine.max_len - prompt_len - 1))
   while engine.metrics()["running"] < rows:
     engine.step()
   return engine
@@ -106,7 +112,7 @@ def bench_prefill(llm, lengths, roof) -> list[dict]:
   for t in lengths:
     if t >= eng.max_len:
       continue
-    tokens = np.random.default_rng(t).integers(10, 1000, (1, t)).astype(np.int32)
+    tokens = prompt_ids(np.random.default_rng(t), (1, t), llm.cfg.vocab_size).astype(np.int32)
 
     def run(t=t, tokens=tokens):
       # Chunked like the engine does it when t exceeds the largest bucket.
@@ -176,7 +182,7 @@ def bench_throughput(llm, n_requests: int, prompt_len: int, out_len: int, slots:
   eng = _engine(llm, slots)
   eng.warmup()
   rng = np.random.default_rng(1)
-  prompts = [rng.integers(10, 1000, prompt_len).tolist() for _ in range(n_requests)]
+  prompts = [prompt_ids(rng, prompt_len, llm.cfg.vocab_size).tolist() for _ in range(n_requests)]
   t = time.perf_counter()
   for p in prompts:
     eng.add_request(p, _bench_params(out_len))

@@ -25,6 +25,13 @@ from jaxgen.model.matmul import matmul
 RNG = np.random.default_rng(0)
 
 
+@pytest.fixture(autouse=True)
+def _fresh_rng():
+  """Each test draws from its own seeded generator, whatever ran before it (or was deselected)."""
+  global RNG
+  RNG = np.random.default_rng(0)
+
+
 def _cpu_has_bf16_dots() -> bool:
   try:
     with open("/proc/cpuinfo") as f:
@@ -102,6 +109,7 @@ def test_float32_weights_keep_xla():
 
 
 @needs_kernel
+@pytest.mark.slow  # a subprocess
 def test_switch_turns_the_kernel_off():
   code = "from jaxgen.model import cpu_kernels; print(cpu_kernels.status())"
   env = dict(os.environ, JAXGEN_CPU_KERNELS="0")
@@ -179,6 +187,7 @@ def test_a_failed_build_is_a_reason_not_a_crash(tmp_path):
     platforms.resolve("bfloat16", attention="cpu", kernels=status)
 
 
+@pytest.mark.slow  # a subprocess
 def test_no_compiler_shows_in_jaxgen_info_and_generation_still_runs(tmp_path):
   """A fresh cache directory and no compiler: `jaxgen info --json` names the reason and the XLA
   implementations; a tiny model still generates."""

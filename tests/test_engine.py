@@ -4,6 +4,7 @@ aborts, per-request errors, metrics and zero compilations after warm-up."""
 import functools
 import random
 
+import jax
 import numpy as np
 import pytest
 from conftest import ToyTokenizer, platform_for, tiny_config, tiny_model
@@ -137,8 +138,70 @@ def test_abort_reports_what_was_produced_and_frees_the_slot():
   while eng.has_unfinished():
     for o in eng.step():
       outs[o.request_id] = o
-  assert outs[rid].finish_reason == "abort" and 0 < len(outs[rid].token_ids) < 100
+  solo = run(eng, [(list(range(3, 20)), SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True))])[0]
+  got = outs[rid].token_ids
+  # Six steps produce at most one token each (the first step prefills): what was produced is
+  # reported, and it is what the request would have produced alone.
+  assert outs[rid].finish_reason == "abort" and 1 <= len(got) <= 6 and got == solo.token_ids[:len(got)]
   assert outs[other].finish_reason == "length" and len(outs[other].token_ids) == 3
+  assert all(s is None for s in eng.slots)
+
+
+def test_abort_storm_leaves_the_survivors_exact():
+  """Aborts mid chunked prefill, of a waiting request, after an n=2 fork, twice, and of an unknown
+  id: the surviving requests produce what they produce alone, and every slot is free afterwards."""
+  eng = make_engine(slots=3, max_len=128, chunk=16)
+  rng = np.random.default_rng(5)
+  survivors = [(rng.integers(3, 300, 20).tolist(), SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)),
+               (rng.integers(3, 300, 40).tolist(),
+                SamplingParams(max_tokens=12, temperature=1.0, top_k=20, seed=7, ignore_eos=True))]
+  solo = [run(eng, [r])[0].token_ids for r in survivors]
+  long_prompt = rng.integers(3, 300, 70).tolist()  # five chunks of 16
+
+  ids = [eng.add_request(*r) for r in survivors]
+  in_prefill = eng.add_request(long_prompt, SamplingParams(max_tokens=5))
+  forked = eng.add_request([4, 5, 6], SamplingParams(n=2, max_tokens=30, temperature=1.0, seed=3))
+  waiting = eng.add_request([7, 8, 9], SamplingParams(max_tokens=30))
+  outs = {}
+
+  def step():
+    for o in eng.step():
+      outs[o.request_id] = o
+
+  step()
+  eng.abort(in_prefill)
+  eng.abort(in_prefill)
+  eng.abort("no-such-request")
+  step()
+  step()
+  eng.abort(waiting)
+  eng.abort(forked)
+  while eng.has_unfinished():
+    step()
+  assert [outs[i].outputs[0].token_ids for i in ids] == solo
+  assert outs[in_prefill].finish_reason == "abort" and outs[in_prefill].outputs[0].token_ids == []
+  assert outs[waiting].finish_reason == "abort"
+  assert [c.finish_reason for c in outs[forked].outputs] == ["abort", "abort"]
+  assert all(s is None for s in eng.slots) and not eng.waiting
+  assert run(eng, [survivors[1]])[0].token_ids == solo[1]
+
+
+def test_a_stream_left_early_aborts_its_request():
+  from jaxgen.llm import Stream
+
+  eng = make_engine(slots=2, max_len=128)
+  request = ([9, 10, 11], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+  solo = run(eng, [request])[0].token_ids
+  stream = Stream(eng, eng.add_request(*request))
+  for _ in range(3):
+    next(stream)
+  stream.close()
+  final = [o for o in eng.step() if o.request_id == stream.request_id]  # the abort is reported next step
+  assert len(final) == 1 and final[0].finished and final[0].finish_reason == "abort"
+  got = final[0].outputs[0].token_ids
+  assert 3 <= len(got) < 30 and got == solo[:len(got)]
+  assert all(s is None for s in eng.slots) and not eng.has_unfinished()
+  assert run(eng, [request])[0].token_ids == solo
 
 
 def test_bad_request_is_rejected_alone():
@@ -168,7 +231,9 @@ def test_metrics_snapshot():
   run(eng, eight_requests()[:4])
   m = eng.metrics()
   assert m["running"] == 0 and m["waiting"] == 0 and m["slots"] == 2
-  assert m["kv_cache_bytes_allocated"] == eng.spec.total_bytes(eng.cfg) > 0
+  # What the device holds for the cache, counted from the arrays themselves.
+  held = sum(x.nbytes for x in jax.tree.leaves(eng.state.cache))
+  assert m["kv_cache_bytes_allocated"] == held > 0
   assert m["prefill_tokens"] > 0 and m["decode_tokens"] > 0
   assert m["prefill_tok_s"] > 0 and m["decode_tok_s"] > 0
   eng.add_request([3, 4, 5], SamplingParams(max_tokens=50, ignore_eos=True))
@@ -199,3 +264,18 @@ def test_nothing_compiles_after_warmup():
   while eng.has_unfinished():
     eng.step()
   assert compiles.count() == before, f"{compiles.count() - before} programs compiled after warm-up"
+
+
+def test_warmup_compiles_a_number_of_programs_that_grows_with_log2_of_max_batch():
+  """Warm-up compiles `num_programs` programs, counted in the jit caches of the engine's programs
+  themselves: at 8 slots two more than at 2 (decode over 4 and 8 rows), not six more forks."""
+  counted = {}
+  for slots in (2, 8):
+    jax.clear_caches()  # fork and move are jitted module functions whose caches engines share
+    eng = make_engine(slots=slots, max_len=64, chunk=32)
+    eng.warmup()
+    p = eng.programs
+    jitted = [*p._prefill.values(), p.decode, p.fork, p.move, p.logits]
+    counted[slots] = sum(f._cache_size() for f in jitted)
+    assert counted[slots] == eng.num_programs
+  assert counted[8] - counted[2] == 2

@@ -160,6 +160,14 @@ def test_stop_rules(llm):
     (dict(top_k=-2), "top_k"),
     (dict(n=0), "n"),
     (dict(logprobs=21), "logprobs"),
+    (dict(temperature=float("inf")), "temperature"),
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(top_p=float("nan")), "top_p"),
+    (dict(min_p=float("inf")), "min_p"),
+    (dict(repetition_penalty=float("inf")), "repetition_penalty"),
+    (dict(presence_penalty=float("nan")), "presence_penalty"),
+    (dict(frequency_penalty=float("-inf")), "frequency_penalty"),
+    (dict(logit_bias={5: float("nan")}), "logit_bias"),
 ])
 def test_bad_sampling_params_name_the_field(kwargs, field):
   with pytest.raises(ValueError, match=rf"SamplingParams\.{field}="):
@@ -178,6 +186,12 @@ def test_bad_prompts_raise_and_leave_the_llm_usable(llm):
     llm.generate("hi", SamplingParams(stop_token_ids=[v + 3]))
   with pytest.raises(ValueError, match="prompt 1: prompt is empty"):
     llm.generate([[2, 3], []])
+  with pytest.raises(ValueError, match=r"prompt 1: token id at index 1 is 3\.5 \(float\); token ids must be integers"):
+    llm.generate([[2, 3], [2, 3.5]])
+  with pytest.raises(ValueError, match=r"prompt 0: token id at index 0 is None \(NoneType\)"):
+    llm.generate([[None]])
+  with pytest.raises(ValueError, match=r"token id at index 1 is True \(bool\)"):
+    llm.logits([2, True])
   assert not llm.engine.has_unfinished()
   out = llm.generate("Hello", SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=False)[0]
   assert len(out.token_ids) == 3
@@ -210,3 +224,22 @@ def test_logprobs_are_those_of_the_raw_model_distribution(llm):
   np.testing.assert_allclose(first[chosen].logprob, ref[chosen], atol=1e-4)
   total = sum(step[t].logprob for step, t in zip(out.outputs[0].logprobs, out.token_ids))
   np.testing.assert_allclose(out.outputs[0].cumulative_logprob, total, rtol=1e-6)
+
+
+def test_logits_compiles_once_per_bucket_not_per_length(llm, golden):
+  """20 prompt lengths share the few power-of-two buckets of `LLM.logits`; a second pass compiles nothing."""
+  from jaxgen.decode import compiles
+  from jaxgen.decode.buckets import bucket
+
+  ids = golden["long"]["ids"].tolist()
+  lengths = list(range(3, 143, 7))
+  assert len(lengths) == 20
+  before = compiles.count()
+  first = {n: llm.logits(ids[:n]) for n in lengths}
+  assert compiles.count() - before <= len({bucket(n, llm.logits_buckets) for n in lengths}) == 5
+  before = compiles.count()
+  for n in lengths:
+    np.testing.assert_array_equal(llm.logits(ids[:n]), first[n])
+  assert compiles.count() == before
+  # Padding to the bucket changes nothing: a length's logits are the longer prompt's prefix.
+  np.testing.assert_allclose(first[10][:10], first[136][:10], atol=1e-4, rtol=1e-4)

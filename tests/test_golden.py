@@ -65,8 +65,11 @@ def test_bfloat16_weights_stay_close(llm_bf16, f32_logprobs, golden, positions):
     kls.append((p32 * (lp32 - lp16)).sum(-1))
   top1 = agree / total
   mean_kl = float(np.concatenate(kls).mean())
-  print(f"bfloat16 vs float32 ({positions} positions): top-1 agreement {top1:.3f}, mean KL {mean_kl:.4f} nats")
-  assert top1 > 0.97 and mean_kl < 0.01
+  print(f"bfloat16 vs float32 ({positions} positions): top-1 agreement {top1:.3f}, mean KL {mean_kl:.5f} nats")
+  # Measured: 0.994 and 1e-4 nats at 256 positions, 1.000 and 2e-4 at 32 (XLA's bf16 dot and jaxgen's
+  # kernel round differently); the bounds leave a small margin over both, so a real loss of
+  # precision (a float16 accumulator, a dropped norm offset) fails.
+  assert top1 >= 0.985 and mean_kl < 1e-3
 
 
 def test_logits_rejects_out_of_vocabulary_ids(llm):

@@ -15,6 +15,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow  # every test here starts subprocesses with 8 simulated devices
+
 MESH = dict(data=2, model=4)
 PROMPTS = [[5, 17, 99, 3, 250], [7, 7, 7], [1000, 2, 4095, 8, 16, 300, 11], [42]]
 TIMEOUT_S = 300

@@ -159,6 +159,36 @@ def test_convert_never_overwrites_and_leaves_nothing_on_failure(tmp_path):
   assert sorted(os.listdir(tmp_path)) == ["broken", "out"]
 
 
+@pytest.mark.parametrize("where", ["save", "rename"])
+def test_a_failure_while_writing_leaves_nothing_half_written(tmp_path, monkeypatch, where):
+  """A crash in the middle of orbax's save (after some files are written) or in the final rename
+  leaves neither DST nor the temporary directory behind."""
+  from jaxgen.checkpoints import convert as convert_mod
+  from jaxgen.checkpoints import orbax_io
+
+  real_save = orbax_io.save
+
+  def save_then_fail(path, *args, **kw):
+    real_save(path, *args, **kw)
+    assert os.listdir(path), "the injected failure should come after files were written"
+    raise OSError("disk full (injected)")
+
+  real_rename = os.rename
+
+  def rename_fails(src, dst):
+    if os.path.abspath(dst) == str(tmp_path / "out"):  # only convert's final rename, not orbax's own
+      raise OSError("rename failed (injected)")
+    return real_rename(src, dst)
+
+  if where == "save":
+    monkeypatch.setattr(orbax_io, "save", save_then_fail)
+  else:
+    monkeypatch.setattr(convert_mod.os, "rename", rename_fails)
+  with pytest.raises(OSError, match="injected"):
+    convert_mod.convert(str(HF / "qwen3"), str(tmp_path / "out"), show_progress=False)
+  assert os.listdir(tmp_path) == []
+
+
 def test_cli_convert_prints_a_summary(tmp_path, capsys):
   from jaxgen.cli import main
 

@@ -15,6 +15,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow  # every test here starts subprocesses with 8 simulated devices
+
 MESHES = [(1, 8), (2, 4), (4, 2), (8, 1)]
 EMBEDDED_MESH = (2, 4)  # Gemma 3 270M: N=4 divides model=4; K=1 does not (kv replicated)
 PROMPTS = [[5, 17, 99, 3, 250], [7, 7, 7], [1000, 2, 4095, 8, 16, 300, 11]]

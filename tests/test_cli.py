@@ -1,0 +1,69 @@
+"""The command line end to end, in process, on a tiny HF fixture: `generate --json`, the streamed
+`generate` with its phase report, bare options routed to `generate`, and `bench` on a tiny grid."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+from jaxgen import LLM, SamplingParams
+from jaxgen.cli import main
+from safetensors import safe_open
+
+MODEL = pathlib.Path(__file__).parent / "data" / "hf" / "qwen3"
+COMMON = ["--model", str(MODEL), "--max-len", "64", "--compilation-cache", ""]
+
+
+@pytest.fixture(scope="module")
+def reference_tokens():
+  """The greedy continuation through the Python API, to hold the CLI's against."""
+  llm = LLM(str(MODEL), max_len=64, max_batch=1)
+  out = llm.generate("The river bends", SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
+                     use_tqdm=False)[0]
+  return out.token_ids, out.text
+
+
+def test_bare_options_run_generate_and_json_has_the_result(capsys, reference_tokens):
+  assert main([*COMMON, "--max-tokens", "6", "--ignore-eos", "--json", "--no-warmup", "The river bends"]) == 0
+  out = json.loads(capsys.readouterr().out)
+  assert out["prompt"] == "The river bends"
+  assert (out["token_ids"], out["text"]) == reference_tokens
+  assert out["finish_reason"] == "length"
+  m = out["metrics"]
+  assert m["prompt_tokens"] > 0 and m["generated_tokens"] == 6 and m["ttft_s"] > 0
+
+
+def test_generate_streams_the_text_and_reports_each_phase(capsys, reference_tokens):
+  assert main(["generate", *COMMON, "--max-tokens", "6", "--ignore-eos", "--no-warmup", "--quiet",
+               "The river bends"]) == 0
+  cap = capsys.readouterr()
+  assert cap.out == "The river bends" + reference_tokens[1] + "\n"
+  assert "[prefill]" in cap.err and "[decode] 6 tok" in cap.err and "finish_reason=length" in cap.err
+
+
+def test_bad_option_values_are_errors_not_tracebacks(capsys):
+  assert main([*COMMON, "--max-tokens", "0", "--no-warmup", "hi"]) == 2
+  assert "SamplingParams.max_tokens=0" in capsys.readouterr().err
+  assert main(["generate", "--model", str(MODEL / "missing"), "hi"]) == 2
+  assert "does not exist" in capsys.readouterr().err
+
+
+def test_bench_on_a_tiny_grid(capsys):
+  assert main(["bench", *COMMON[:2], "--max-len", "128", "--compilation-cache", "", "--prompt-lengths", "16,32",
+               "--batches", "1,2", "--context", "32", "--quick", "--no-throughput", "--json"]) == 0
+  report = json.loads(capsys.readouterr().out)
+  # The weights it counts are the checkpoint's, read here from the safetensors file itself.
+  with safe_open(str(MODEL / "model.safetensors"), "np") as f:
+    checkpoint_bytes = sum(f.get_tensor(k).nbytes for k in f.keys())
+  assert report["info"]["weights_bytes"] == checkpoint_bytes
+  assert [r["prompt_len"] for r in report["prefill"]] == [16, 32]
+  assert {r["batch"] for r in report["decode"]} == {1, 2}
+  bw = report["roofline"]["mem_bw"]
+  for r in report["decode"]:
+    assert r["bytes_per_step"] > checkpoint_bytes  # every step reads the weights and some cache
+    assert r["tok_s"] == pytest.approx(r["batch"] / (r["step_ms"] / 1e3), rel=1e-6)
+    assert r["mbu"] == pytest.approx(r["bytes_per_step"] / (r["step_ms"] / 1e3) / bw, rel=1e-6)
+    assert 0 < r["mbu"] < 1.5
+  for r in report["prefill"]:
+    assert r["tok_s"] == pytest.approx(r["prompt_len"] / r["seconds"], rel=1e-6) and 0 < r["mfu"] < 1.5
