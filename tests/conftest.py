@@ -114,14 +114,14 @@ def llm():
   """The embedded Gemma 3 270M in float32 with a small engine (loaded once per session)."""
   from jaxgen import LLM
 
-  return LLM(dtype="float32", max_len=1536, max_batch=4, prefill_chunk=256)
+  return LLM(dtype="float32", max_len=1536, max_batch=4, prefill_chunk=256, seed=0)
 
 
 @pytest.fixture(scope="session")
 def llm_bf16():
   from jaxgen import LLM
 
-  return LLM(dtype="bfloat16", max_len=256, max_batch=1, prefill_chunk=256)
+  return LLM(dtype="bfloat16", max_len=256, max_batch=1, prefill_chunk=256, seed=0)
 
 
 def pytest_collection_modifyitems(config, items):

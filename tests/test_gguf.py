@@ -122,7 +122,7 @@ ATOL = 1e-4
 
 @functools.cache
 def gguf_llm(name: str) -> LLM:
-  return LLM(str(DATA / "gguf" / name), max_len=128, max_batch=1)
+  return LLM(str(DATA / "gguf" / name), max_len=128, max_batch=1, seed=0)
 
 
 def reference(name: str) -> tuple[dict, dict]:
