@@ -227,7 +227,8 @@ def run(a, make_llm) -> int:
   a.max_len = max(max(lengths) + 64, a.context + 256, 512)
   llm = make_llm(a, max_batch=1)
   info = dict(device=str(jax.devices()[0].device_kind), backend=jax.default_backend(), cores=jax.device_count(),
-              dtype=a.dtype, weights_bytes=model_bytes(llm), model=llm.cfg.family, kernels=llm.platform.kernels)
+              dtype=a.dtype, quantization=llm.cfg.weight_quant, cache_dtype=llm.platform.cache_dtype,
+              weights_bytes=model_bytes(llm), model=llm.cfg.family, kernels=llm.platform.kernels)
   roof = roofline(a.dtype)
   report = dict(info=info, roofline=roof)
   report["prefill"] = bench_prefill(llm, lengths, roof)
@@ -249,8 +250,9 @@ def run(a, make_llm) -> int:
 
 def _print(r: dict) -> None:
   i, roof = r["info"], r["roofline"]
-  print(f"device: {i['device']} ({i['backend']}), weights {i['dtype']} {i['weights_bytes'] / 1e6:.0f} MB, "
-        f"kernels {i['kernels']}")
+  weights = f"{i['quantization']} blocks (model {i['dtype']})" if i.get("quantization") else i["dtype"]
+  print(f"device: {i['device']} ({i['backend']}), weights {weights} {i['weights_bytes'] / 1e6:.0f} MB, "
+        f"KV cache {i.get('cache_dtype')}, kernels {i['kernels']}")
   print(f"roofline: memory {roof['mem_bw'] / 1e9:.1f} GB/s, matmul {roof['matmul'] / 1e9:.0f} GFLOP/s ({i['dtype']})")
   print("\nprefill (batch 1)      tokens   ms       tok/s   MFU")
   for p in r["prefill"]:

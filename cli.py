@@ -22,6 +22,7 @@ from jaxgen.model.platform import CHOICES, DTYPES
 from jaxgen.sharding import distributed
 from jaxgen.sharding.mesh import MeshConfig
 
+CACHE_DTYPES = DTYPES  # the KV cache: float32, bfloat16, float16
 DEFAULT_PROMPT = "The three most important ideas in computer science are"
 
 
@@ -32,6 +33,10 @@ def model_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--compilation-cache", default=os.environ.get("JAXGEN_COMPILATION_CACHE", DEFAULT_COMPILATION_CACHE),
                  help="JAX's persistent compilation cache directory ('' disables): a second start skips compiling")
   p.add_argument("--max-batch", type=int, default=1, help="cache slots decoded together")
+  p.add_argument("--quantization", default=None, choices=["int8"],
+                 help="store the projection and embedding weights int8 (one scale per output channel)")
+  p.add_argument("--cache-dtype", default=None, choices=CACHE_DTYPES,
+                 help="KV cache dtype (default: the platform's)")
   p.add_argument("--attention-impl", default="auto", choices=CHOICES, help="attention kernel (see `jaxgen info`)")
   p.add_argument("--matmul-impl", default="auto", choices=CHOICES, help="matmul kernel (see `jaxgen info`)")
   p.add_argument("--mesh", default=None, metavar="data=D,model=M",
@@ -65,7 +70,8 @@ def make_llm(a, max_batch: int | None = None) -> LLM:
   mesh = MeshConfig.parse(a.mesh) if a.mesh else (MeshConfig(data=1) if a.distributed else None)
   return LLM(a.model, dtype=a.dtype, max_len=a.max_len, max_batch=max_batch or a.max_batch, mesh=mesh,
              compilation_cache_dir=a.compilation_cache or None, attention_impl=a.attention_impl,
-             matmul_impl=a.matmul_impl, prefill_chunk=getattr(a, "prefill_chunk", None))
+             matmul_impl=a.matmul_impl, prefill_chunk=getattr(a, "prefill_chunk", None),
+             quantization=a.quantization, cache_dtype=a.cache_dtype)
 
 
 def phase_report(out, wall_s: float) -> str:
@@ -167,7 +173,7 @@ def cmd_chat(a) -> int:
 
 def cmd_convert(a) -> int:
   try:
-    summary = convert(a.src, a.dst, dtype=a.dtype, show_progress=not a.quiet)
+    summary = convert(a.src, a.dst, dtype=a.dtype, show_progress=not a.quiet, quantization=a.quantize)
   except FileExistsError as e:
     raise ValueError(str(e)) from None
   print(summary)
@@ -199,6 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
   c.add_argument("dst", help="directory to create")
   c.add_argument("--dtype", default="float32", choices=DTYPES, help="parameter dtype in the checkpoint")
   c.add_argument("--quiet", action="store_true", help="no progress bar")
+  c.add_argument("--quantize", default=None, choices=["int8"], help="write int8 weights with per-channel scales")
   c.set_defaults(func=cmd_convert)
 
   b = sub.add_parser("bench", help="measure prefill and decode apart, against the roofline")

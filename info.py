@@ -17,6 +17,7 @@ import jaxlib
 from jaxgen.decode.engine import program_count
 from jaxgen.llm import DEFAULT_COMPILATION_CACHE
 from jaxgen.model import platform as platforms
+from jaxgen.model.matmul import INT8_IMPL
 
 
 def gather(dtype: str = "float32", max_batch: int = 8) -> dict:
@@ -27,6 +28,7 @@ def gather(dtype: str = "float32", max_batch: int = 8) -> dict:
       flax=flax.__version__, python=host.python_version(), machine=host.machine(),
       backend=p.backend, devices=[str(d) for d in jax.devices()], device_kind=p.device_kind,
       dtype=dtype, kernels=p.kernels, reasons=dict(p.reasons),
+      int8_matmul=dict(impl=INT8_IMPL[0], reason=INT8_IMPL[1]),
       cpu_kernels=None if p.cpu_kernels is None else dict(available=p.cpu_kernels.available,
                                                           reason=p.cpu_kernels.reason),
       activation_dtype=p.activation_dtype or dtype, cache_dtype=p.cache_dtype, prefill_chunk=p.prefill_chunk,
@@ -46,6 +48,7 @@ def run(a) -> int:
         f"prefill chunks up to {report['prefill_chunk']} tokens")
   for op, impl in report["kernels"].items():
     print(f"  {op:<10} {impl:<12} {report['reasons'].get(op, '')}")
+  print(f"  {'int8 matmul':<10} {report['int8_matmul']['impl']:<12} {report['int8_matmul']['reason']}")
   if report["cpu_kernels"] is not None:
     state = "available" if report["cpu_kernels"]["available"] else "not used"
     print(f"  CPU kernels {state}: {report['cpu_kernels']['reason']}")

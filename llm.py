@@ -20,6 +20,7 @@ from jaxgen.decode.outputs import RequestOutput
 from jaxgen.decode.params import SamplingParams, token_ids
 from jaxgen.decode.steps import memory_plan, state_shardings
 from jaxgen.model import platform as platforms
+from jaxgen.model import quant
 from jaxgen.sharding import distributed, rules
 from jaxgen.sharding.mesh import MeshConfig, as_mesh
 from tqdm.auto import tqdm
@@ -43,12 +44,17 @@ class LLM:
   attention_impl, matmul_impl: "auto", "xla" (the plain formulation TPU and GPU run) or "cpu"
   (jaxgen's CPU kernels); `self.platform` says what was chosen and why.
   seed: seeds the draw of a seed for requests that give none (None: from the OS).
+  quantization: None (weights in `dtype`) or "int8": projection and embedding weights stored int8
+  on the device with one float32 scale per output channel (`jaxgen.model.quant`); activations
+  stay in the compute dtype.
   """
 
   def __init__(self, model: str | None = None, *, dtype: str = "float32", max_len: int = 2048,
                max_batch: int = 8, prefill_chunk: int | None = None, cache_dtype: str | None = None,
                compilation_cache_dir: str | None = None, mesh: MeshConfig | jax.sharding.Mesh | None = None,
-               attention_impl: str = "auto", matmul_impl: str = "auto", seed: int | None = None):
+               attention_impl: str = "auto", matmul_impl: str = "auto", seed: int | None = None,
+               quantization: str | None = None):
+    quant.check(quantization)
     if compilation_cache_dir:
       jax.config.update("jax_compilation_cache_dir", compilation_cache_dir)
       jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
@@ -58,7 +64,7 @@ class LLM:
                                       matmul=matmul_impl, attention=attention_impl, prefill_chunk=prefill_chunk)
     _warn_if_kernels_failed(self.platform)
     self.dtype = dtype
-    self.cfg, self.model, self.tokenizer = source.load(model, dtype, mesh=self.mesh)
+    self.cfg, self.model, self.tokenizer = source.load(model, dtype, mesh=self.mesh, quantization=quantization)
     self.max_len = min(max_len, self.cfg.max_context)
     spec = CacheSpec(slots=max_batch, max_len=self.max_len, dtype=self.platform.cache_dtype)
     self.plan, shardings = None, None

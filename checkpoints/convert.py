@@ -36,8 +36,12 @@ class Summary:
             f"{size} {self.dtype}, {self.seconds:.1f} s")
 
 
-def convert(src: str, dst: str, dtype: str = "float32", show_progress: bool = True) -> Summary:
-  """Converts `src` to an orbax checkpoint at `dst` (which must not exist); returns a Summary."""
+def convert(src: str, dst: str, dtype: str = "float32", show_progress: bool = True,
+            quantization: str | None = None) -> Summary:
+  """Converts `src` to an orbax checkpoint at `dst` (which must not exist); returns a Summary.
+
+  quantization="int8" writes int8 weights with their scales; the checkpoint restores quantized.
+  """
   t0 = time.perf_counter()
   src, dst = os.fspath(src), os.path.abspath(os.fspath(dst))
   if os.path.exists(dst):
@@ -50,7 +54,8 @@ def convert(src: str, dst: str, dtype: str = "float32", show_progress: bool = Tr
   tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(dst)}.partial-", dir=parent)
   bar = tqdm(total=total, desc="reading tensors", unit="tensor", disable=not show_progress, leave=False)
   try:
-    _, model, tok = load(src, dtype, place=lambda name, x: x, progress=bar.update)  # stays on the host
+    _, model, tok = load(src, dtype, place=lambda name, x: x, progress=bar.update,  # stays on the host
+                         quantization=quantization)
     bar.set_description("writing orbax checkpoint")
     staged = os.path.join(tmp, "checkpoint")
     orbax_io.save(staged, model, tok, source=os.path.basename(os.path.abspath(src)))
@@ -60,5 +65,6 @@ def convert(src: str, dst: str, dtype: str = "float32", show_progress: bool = Tr
     shutil.rmtree(tmp, ignore_errors=True)
   leaves = list(flat_params(model).values())
   return Summary(src, kind, dst, num_params=int(sum(np.prod(x.shape) for x in leaves)),
-                 num_bytes=int(sum(x.nbytes for x in leaves)), dtype=str(np.dtype(leaves[0].dtype)),
+                 num_bytes=int(sum(x.nbytes for x in leaves)),
+                 dtype=str(np.dtype(dtype)) + (f", {quantization} weights" if quantization else ""),
                  seconds=time.perf_counter() - t0)

@@ -74,10 +74,12 @@ def save(path: str, model, tokenizer, source: str = "") -> None:
   if os.path.exists(path):
     raise FileExistsError(f"{path!r} already exists; orbax checkpoints are written to a new directory")
   params = flat_params(model)
-  dtype = {str(np.dtype(v.dtype)) for v in params.values()}
-  if len(dtype) != 1:
-    raise ValueError(f"parameters mix dtypes {sorted(dtype)}; a checkpoint holds one dtype")
-  meta = dict(format=FORMAT, format_version=FORMAT_VERSION, dtype=dtype.pop(),
+  dtype = np.dtype(model.dtype)
+  declared = param_specs(model.cfg, dtype)  # one dtype, except int8 weights and their float32 scales
+  odd = sorted(n for n, v in params.items() if np.dtype(v.dtype) != np.dtype(declared[n].dtype))
+  if odd:
+    raise ValueError(f"parameters {odd[:3]} are not in the model's dtype {dtype}; a checkpoint holds one dtype")
+  meta = dict(format=FORMAT, format_version=FORMAT_VERSION, dtype=str(dtype),
               config=dataclasses.asdict(model.cfg), tokenizer=_tokenizer_meta(tokenizer), source=source,
               num_params=int(sum(np.prod(v.shape) for v in params.values())))
   _checkpointer().save(path, args=ocp.args.Composite(params=ocp.args.StandardSave(_nest(params)),
@@ -124,7 +126,8 @@ def restore(path: str, dtype=None,
             place: Callable[[str, np.ndarray], jax.Array] | None = None):
   """Returns (ModelConfig, Transformer, Tokenizer).
 
-  dtype: the parameters' dtype (default: the saved one; others are cast while reading).
+  dtype: the parameters' dtype (default: the saved one; others are cast while reading). A
+  quantized checkpoint (`cfg.weight_quant`) keeps its int8 weights and float32 scales as saved.
   shardings: {parameter name: Sharding}, or a function (cfg, dtype) -> that mapping (e.g.
   `functools.partial(jaxgen.sharding.rules.param_shardings, mesh=mesh)`): each device reads its
   shards. place: instead, read each array to the host and hand it to `place(name, array)` (as
@@ -134,17 +137,19 @@ def restore(path: str, dtype=None,
   meta = read_metadata(path)
   cfg = config_from_metadata(meta)
   dtype = jnp.dtype(dtype or meta["dtype"])
-  specs = {name: s.shape for name, s in param_specs(cfg, dtype).items()}
+  # Each array in its declared dtype: `dtype`, or int8 values and float32 scales when quantized.
+  declared = param_specs(cfg, dtype)
+  specs = {name: s.shape for name, s in declared.items()}
   _check_saved(path, specs)
   if place is not None:
-    args = ocp.args.PyTreeRestore(restore_args=_nest({n: ocp.RestoreArgs(restore_type=np.ndarray, dtype=dtype)
-                                                      for n in specs}))
+    args = ocp.args.PyTreeRestore(restore_args=_nest({n: ocp.RestoreArgs(restore_type=np.ndarray, dtype=s.dtype)
+                                                      for n, s in declared.items()}))
   else:
     if callable(shardings):
       shardings = shardings(cfg, dtype)
     default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    args = ocp.args.StandardRestore(_nest({n: jax.ShapeDtypeStruct(shape, dtype, sharding=shardings[n] if shardings
-                                                                   else default) for n, shape in specs.items()}))
+    args = ocp.args.StandardRestore(_nest({n: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=shardings[n] if shardings
+                                                                   else default) for n, s in declared.items()}))
   values = dict(_leaves(_checkpointer().restore(path, args=ocp.args.Composite(params=args))["params"], join=True))
   if place is not None:
     values = {name: place(name, x) for name, x in values.items()}

@@ -7,6 +7,7 @@ is read as GGUF; a directory as a jaxgen orbax checkpoint (it has `jaxgen/metada
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Callable
 
@@ -16,7 +17,8 @@ import numpy as np
 from jaxgen.checkpoints import gguf, hf, orbax_io
 from jaxgen.checkpoints.hf_tokenizer import tokenizer_from_hf_dir
 from jaxgen.checkpoints.tokenizer import tokenizer_from_gguf
-from jaxgen.model.params import build_model
+from jaxgen.model import quant
+from jaxgen.model.params import build_model, flat_params
 from jaxgen.sharding.rules import param_shardings, placer
 
 KINDS = ("gguf", "hf", "orbax")
@@ -52,7 +54,7 @@ def read_arrays(path: str, kind: str, progress: Callable[[int], None] | None = N
 
 
 def load(path: str | None, dtype="float32", place: Callable[[str, np.ndarray], jax.Array] | None = None,
-         mesh=None, progress: Callable[[int], None] | None = None):
+         mesh=None, progress: Callable[[int], None] | None = None, quantization: str | None = None):
   """Returns (ModelConfig, Transformer, Tokenizer) for a model file or directory.
 
   mesh (a `jax.sharding.Mesh` or `jaxgen.sharding.mesh.MeshConfig`): parameters are sharded by
@@ -60,13 +62,23 @@ def load(path: str | None, dtype="float32", place: Callable[[str, np.ndarray], j
   shardings, other sources are placed shard by shard. `place(name, host_array)` overrides both:
   every source is then read to the host and each array handed to it (`lambda n, x: x` keeps
   host arrays, as `convert` does).
+
+  quantization ("int8" or None): float weights are quantized on the host as they are read
+  (`model.quant`). An orbax checkpoint saved quantized restores quantized whatever is asked.
   """
+  quant.check(quantization)
   path = default_model_path() if path is None else os.fspath(path)
   kind = source_kind(path)
   if kind == "orbax":
-    shardings = None if mesh is None else lambda cfg, dt: param_shardings(cfg, dt, mesh)
-    return orbax_io.restore(path, dtype, shardings=shardings, place=place)
-  cfg, arrays, tokenizer = read_arrays(path, kind, progress)
+    saved = orbax_io.config_from_metadata(orbax_io.read_metadata(path))
+    if not quantization or saved.weight_quant:
+      shardings = None if mesh is None else lambda cfg, dt: param_shardings(cfg, dt, mesh)
+      return orbax_io.restore(path, dtype, shardings=shardings, place=place)
+    cfg, host, tokenizer = orbax_io.restore(path, dtype, place=lambda name, x: x)
+    arrays = {name: np.asarray(x) for name, x in flat_params(host).items()}
+  else:
+    cfg, arrays, tokenizer = read_arrays(path, kind, progress)
+  cfg = dataclasses.replace(cfg, weight_quant=quantization) if quantization else cfg
   if place is None and mesh is not None:
     place = placer(param_shardings(cfg, dtype, mesh))
   return cfg, build_model(cfg, arrays, dtype, source=repr(path), place=place), tokenizer

@@ -14,6 +14,7 @@ import math
 from typing import Any
 
 GLOBAL, LOCAL = "global", "local"
+WEIGHT_QUANTIZATIONS = (None, "int8")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +55,10 @@ class ModelConfig:
   tie_embeddings: bool = True
   final_softcap: float | None = None  # Gemma 2: 30.0
   attn_softcap: float | None = None  # Gemma 2: 50.0
+  # How the projection and embedding weights are stored: None (the model's dtype) or "int8" (one
+  # scale per output channel, see `model.quant`). Part of the config so that every derived tree
+  # (parameter specs, shardings, the memory plan, an orbax checkpoint's restore target) follows it.
+  weight_quant: str | None = None
 
   def __post_init__(self):
     if len(self.layer_kinds) != self.num_layers:
@@ -64,6 +69,8 @@ class ModelConfig:
       raise ValueError("a layer is LOCAL but sliding_window is not set")
     if self.activation not in ("silu", "gelu_tanh"):
       raise ValueError(f"activation={self.activation!r}; expected 'silu' or 'gelu_tanh'")
+    if self.weight_quant not in WEIGHT_QUANTIZATIONS:
+      raise ValueError(f"quantization={self.weight_quant!r} is not supported; choose one of {list(WEIGHT_QUANTIZATIONS)}")
     if self.rope_factors is not None and len(self.rope_factors) != self.head_dim // 2:
       raise ValueError(f"rope_factors has {len(self.rope_factors)} entries, expected head_dim / 2 = {self.head_dim // 2}")
 

@@ -19,12 +19,21 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-from jaxgen.model import cpu_kernels
+from jaxgen.model import cpu_kernels, quant
 
 
 def matmul(x: jax.Array, w: jax.Array, platform) -> jax.Array:
   """x [..., in] . w [out, in]^T -> [..., out] in x's dtype."""
   return IMPLS[platform.matmul](x, w)
+
+
+def project(x: jax.Array, w: jax.Array, scale: jax.Array | None, platform) -> jax.Array:
+  """x [..., in] . w [out, in]^T, where an int8 w with its block scales [out, in / G] is
+  dequantized into x's dtype inside the product (see `model.quant`; XLA fuses the convert and
+  multiply into the dot's operand on TPU and GPU, and into XLA:CPU's single-row matvec)."""
+  if scale is not None:
+    w = quant.dequantize(w, scale, x.dtype)
+  return matmul(x, w, platform)
 
 
 def matmul_xla(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -44,6 +53,8 @@ def _matmul_xla_cpu(x: jax.Array, w: jax.Array) -> jax.Array:
     return x @ w.T
   if math.prod(x.shape[:-1]) == 1:
     return _materialize(x) @ w.astype(x.dtype).T
+  if jnp.issubdtype(w.dtype, jnp.integer):  # int8: widen the weight, never narrow the activations
+    return x @ w.astype(x.dtype).T
   dims = (((x.ndim - 1,), (1,)), ((), ()))
   return jax.lax.dot_general(x.astype(w.dtype), w, dims, preferred_element_type=jnp.float32).astype(x.dtype)
 
@@ -74,5 +85,9 @@ def _matmul_cpu(x: jax.Array, w: jax.Array) -> jax.Array:
   y = cpu_kernels.matmul(x.reshape(rows, -1).astype(w.dtype), w)
   return y.reshape(*x.shape[:-1], w.shape[0]).astype(x.dtype)
 
+
+# What serves a product with int8 weights (`quantization="int8"`), whatever the platform's matmul:
+INT8_IMPL = ("xla", "int8 blocks dequantized into the activations' dtype as the dot's operand (fused "
+             "on TPU and GPU, and in XLA:CPU's one-row matvec), then the platform's matmul")
 
 IMPLS: dict[str, Callable] = {"xla": matmul_xla, "xla_cpu": _matmul_xla_cpu, "cpu": _matmul_cpu}

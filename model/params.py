@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jaxgen.model import quant
 from jaxgen.model.config import ModelConfig
 from jaxgen.model.transformer import Transformer
 
@@ -65,20 +66,32 @@ def build_model(cfg: ModelConfig, arrays: Mapping[str, np.ndarray], dtype, sourc
 
   `place(name, host_array)` puts one (already cast) array on devices; the default is
   `jnp.asarray` on the default device. Sharded loading passes a function that places shards.
+  Under `cfg.weight_quant == "int8"` float weights are quantized here, on the host, before they
+  are placed (int8 arrays given with their `_scale` are taken as they are).
   """
   specs = param_specs(cfg, dtype)
-  missing = sorted(set(specs) - set(arrays))
+  scales = {n for n in specs if n.endswith(quant.SCALE_SUFFIX)}
+  missing = sorted(set(specs) - scales - set(arrays))
   if missing:
     raise ValueError(f"{source}: missing tensors for {missing[:5]}{' ...' if len(missing) > 5 else ''}")
   unexpected = sorted(set(arrays) - set(specs))
   if unexpected:
     raise ValueError(f"{source}: tensors the {cfg.family} model does not use: {unexpected[:5]}")
   place = place or (lambda name, x: jnp.asarray(x))
-  np_dtype = jnp.dtype(dtype)
   values = {}
   for name, spec in specs.items():
+    if name in scales:
+      continue
     got = tuple(arrays[name].shape)
     if got != spec.shape:
       raise ValueError(f"{source}: tensor {name} has shape {got}, expected {spec.shape}")
-    values[name] = place(name, np.asarray(arrays[name]).astype(np_dtype, copy=False))
+    x = np.asarray(arrays[name])
+    if name + quant.SCALE_SUFFIX in specs:  # quantized on the host, one output channel at a time
+      scale_name = name + quant.SCALE_SUFFIX
+      if x.dtype == np.int8 and scale_name in arrays:
+        x, scale = x, np.asarray(arrays[scale_name], np.float32)
+      else:
+        x, scale = quant.quantize_np(x)
+      values[scale_name] = place(scale_name, scale)
+    values[name] = place(name, x.astype(spec.dtype, copy=False))
   return assemble(cfg, dtype, values)

@@ -17,11 +17,11 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jaxgen.model import kv
+from jaxgen.model import kv, quant
 from jaxgen.model import layers as L
 from jaxgen.model.attention import KVBlock, attention
 from jaxgen.model.config import LOCAL, ModelConfig
-from jaxgen.model.matmul import matmul
+from jaxgen.model.matmul import project
 from jaxgen.model.platform import REFERENCE, Platform
 
 
@@ -29,6 +29,23 @@ def _param(rngs: nnx.Rngs, shape, axes, dtype, std: float = 0.02) -> nnx.Param:
   """A randomly initialised parameter (normal with `std`) carrying its logical axis names."""
   value = (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
   return nnx.Param(value, axes=axes)
+
+
+def _weight(module: nnx.Module, name: str, cfg: ModelConfig, rngs: nnx.Rngs, shape, axes, dtype) -> None:
+  """Declares projection or embedding weight `name` [..., in]: in `dtype`, or under int8
+  quantization as int8 values plus a float32 `{name}_scale` [..., in / G] (see `model.quant`)."""
+  param = _param(rngs, shape, axes, dtype)
+  if cfg.weight_quant == "int8":
+    values, scale = quant.quantize(param[...])
+    setattr(module, name + quant.SCALE_SUFFIX, nnx.Param(scale, axes=quant.scale_axes(axes)))
+    param = nnx.Param(values, axes=axes)
+  setattr(module, name, param)
+
+
+def _weight_of(module: nnx.Module, name: str) -> tuple[jax.Array, jax.Array | None]:
+  """(weight, its per-channel scale or None)."""
+  scale = getattr(module, name + quant.SCALE_SUFFIX, None)
+  return getattr(module, name)[...], None if scale is None else scale[...]
 
 
 def _norm(cfg: ModelConfig, shape, axes, dtype) -> nnx.Param:
@@ -45,12 +62,12 @@ class Block(nnx.Module):
     self.attn_norm = _norm(cfg, (d,), ("embed",), dtype)
     # Fused where the fusion keeps shardability: k and v side by side per kv head, gate and up
     # side by side per MLP unit (fewer, larger matmuls).
-    self.q = _param(rngs, (n, h, d), ("heads", "head_dim", "embed"), dtype)
-    self.kv = _param(rngs, (k, 2, h, d), ("kv_heads", None, "head_dim", "embed"), dtype)
+    _weight(self, "q", cfg, rngs, (n, h, d), ("heads", "head_dim", "embed"), dtype)
+    _weight(self, "kv", cfg, rngs, (k, 2, h, d), ("kv_heads", None, "head_dim", "embed"), dtype)
     # o is [D, N*H] (heads and head_dim flattened, head-major): the contracted dimension is one
     # stored dimension (XLA:CPU's fused matvec runs 5x slower when it is a merge of two). Split
     # over `heads` it still splits whole heads (the rules check N on q).
-    self.o = _param(rngs, (d, n * h), ("embed", "heads"), dtype)
+    _weight(self, "o", cfg, rngs, (d, n * h), ("embed", "heads"), dtype)
     if cfg.qkv_bias:
       self.q_bias = _param(rngs, (n, h), ("heads", "head_dim"), dtype, std=0.0)
       self.kv_bias = _param(rngs, (k, 2, h), ("kv_heads", None, "head_dim"), dtype, std=0.0)
@@ -61,19 +78,24 @@ class Block(nnx.Module):
       self.post_attn_norm = _norm(cfg, (d,), ("embed",), dtype)
       self.post_mlp_norm = _norm(cfg, (d,), ("embed",), dtype)
     self.mlp_norm = _norm(cfg, (d,), ("embed",), dtype)
-    self.gate_up = _param(rngs, (f, 2, d), ("mlp", None, "embed"), dtype)
-    self.down = _param(rngs, (d, f), ("embed", "mlp"), dtype)
+    _weight(self, "gate_up", cfg, rngs, (f, 2, d), ("mlp", None, "embed"), dtype)
+    _weight(self, "down", cfg, rngs, (d, f), ("embed", "mlp"), dtype)
 
   def _norm(self, x, w):
     return L.rms_norm(x, w[...], self.cfg.norm_eps, self.cfg.norm_offset)
+
+  def _project(self, x, name: str, platform: Platform, out: int):
+    """x [..., in] through weight `name` viewed as [out, in] (its scale as [out, in / G])."""
+    w, scale = _weight_of(self, name)
+    return project(x, w.reshape(out, -1), None if scale is None else scale.reshape(out, -1), platform)
 
   def qkv(self, x: jax.Array, positions: jax.Array, platform: Platform):
     """x: [B, T, D] -> q [B, T, N, H] (scaled, rotated), k, v [B, T, K, H]."""
     cfg = self.cfg
     b, t, _ = x.shape
     n, k, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    q = matmul(x, self.q[...].reshape(n * h, -1), platform).reshape(b, t, n, h)
-    pair = matmul(x, self.kv[...].reshape(k * 2 * h, -1), platform).reshape(b, t, k, 2, h)
+    q = self._project(x, "q", platform, n * h).reshape(b, t, n, h)
+    pair = self._project(x, "kv", platform, k * 2 * h).reshape(b, t, k, 2, h)
     if cfg.qkv_bias:
       q = q + self.q_bias[...].astype(x.dtype)
       pair = pair + self.kv_bias[...].astype(x.dtype)
@@ -103,13 +125,13 @@ class Block(nnx.Module):
       blocks.insert(0, kv.held(cache, rows, ring))
     a = attention(q, blocks, positions, cfg.sliding_window if ring else None, cfg.attn_softcap, platform)
     new_cache = None if cache is None else kv.write(cache, k, v, rows, after=a)
-    a = matmul(a.reshape(*a.shape[:2], -1), self.o[...], platform)
+    a = self._project(a.reshape(*a.shape[:2], -1), "o", platform, cfg.embed_dim)
     if cfg.sandwich_norm:
       a = self._norm(a, self.post_attn_norm)
     x = x + a
     h = self._norm(x, self.mlp_norm)
-    gu = matmul(h, self.gate_up[...].reshape(2 * cfg.mlp_dim, -1), platform).reshape(*h.shape[:2], cfg.mlp_dim, 2)
-    m = matmul(L.ACTIVATIONS[cfg.activation](gu[..., 0]) * gu[..., 1], self.down[...], platform)
+    gu = self._project(h, "gate_up", platform, 2 * cfg.mlp_dim).reshape(*h.shape[:2], cfg.mlp_dim, 2)
+    m = self._project(L.ACTIVATIONS[cfg.activation](gu[..., 0]) * gu[..., 1], "down", platform, cfg.embed_dim)
     if cfg.sandwich_norm:
       m = self._norm(m, self.post_mlp_norm)
     return x + m, new_cache
@@ -121,18 +143,21 @@ class Transformer(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None):
     rngs = rngs or nnx.Rngs(0)
     self.cfg = cfg
-    self.embed = _param(rngs, (cfg.vocab_size, cfg.embed_dim), ("vocab", "embed"), dtype)
+    _weight(self, "embed", cfg, rngs, (cfg.vocab_size, cfg.embed_dim), ("vocab", "embed"), dtype)
     self.layers = nnx.List([Block(cfg, i, dtype=dtype, rngs=rngs) for i in range(cfg.num_layers)])
     self.final_norm = _norm(cfg, (cfg.embed_dim,), ("embed",), dtype)
     if not cfg.tie_embeddings:
-      self.unembed = _param(rngs, (cfg.vocab_size, cfg.embed_dim), ("vocab", "embed"), dtype)
+      _weight(self, "unembed", cfg, rngs, (cfg.vocab_size, cfg.embed_dim), ("vocab", "embed"), dtype)
 
   @property
   def dtype(self) -> jnp.dtype:
-    return self.embed[...].dtype
+    """The model's dtype: its norms', and its weights' unless they are quantized."""
+    return self.final_norm[...].dtype
 
   def embed_tokens(self, tokens: jax.Array, dtype) -> jax.Array:
-    x = jnp.take(self.embed[...], tokens, axis=0).astype(dtype)  # [B, T, D]
+    table, scale = _weight_of(self, "embed")
+    x = jnp.take(table, tokens, axis=0)  # [B, T, D]
+    x = x.astype(dtype) if scale is None else quant.dequantize(x, jnp.take(scale, tokens, axis=0), dtype)
     if self.cfg.embed_scale:
       x = x * jnp.asarray(math.sqrt(self.cfg.embed_dim), dtype)
     return x
@@ -150,8 +175,8 @@ class Transformer(nnx.Module):
 
   def logits(self, hidden: jax.Array, platform: Platform = REFERENCE) -> jax.Array:
     """hidden [..., D] -> float32 logits [..., V] (tied or separate unembedding, optional soft-cap)."""
-    w = self.embed[...] if self.cfg.tie_embeddings else self.unembed[...]
-    out = matmul(hidden, w, platform).astype(jnp.float32)
+    w, scale = _weight_of(self, "embed" if self.cfg.tie_embeddings else "unembed")
+    out = project(hidden, w, scale, platform).astype(jnp.float32)
     if self.cfg.final_softcap is not None:
       out = jnp.tanh(out / self.cfg.final_softcap) * self.cfg.final_softcap
     return out

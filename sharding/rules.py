@@ -9,6 +9,8 @@ the decode state's axes); `RULES` says which mesh axis each logical axis is spli
   vocab            -> model  embedding table and logits split by vocabulary: no device holds [V, D]
   kv_heads         -> model  only when K divides the model axis; otherwise the kv weights and the
                              KV cache are replicated over `model` (multi-query: Gemma 3 270M, K=1)
+  *_groups         -> as the axis they group: int8 block scales (`model.quant`) sit with their
+                             blocks, or are replicated where the blocks do not divide evenly
   batch,
   cache_batch      -> data   slots (rows) split across `data`; a multi-query cache is thus split
                              by batch only (Pope et al., "Efficiently Scaling Transformer Inference")
@@ -43,8 +45,14 @@ RULES: dict[str, str | None] = {
     "head_dim": None,
     "seq": None,
     "cache_seq": None,
+    # int8 block scales (`model.quant`): the input axis of a weight in blocks of 32
+    "heads_groups": "model",
+    "mlp_groups": "model",
+    "embed_groups": None,
 }
-REPLICATED_IF_INDIVISIBLE = frozenset({"kv_heads"})
+# Replicated rather than refused when the mesh axis does not divide them: kv heads (multi-query),
+# and int8 block scales whose blocks do not split evenly over the shards of their weight.
+REPLICATED_IF_INDIVISIBLE = frozenset({"kv_heads", "heads_groups", "mlp_groups"})
 
 _FIXES = {
     "cache_batch": "make max_batch (the number of slots) a multiple of {size}, or use a data axis from {ok}",

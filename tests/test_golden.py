@@ -78,3 +78,26 @@ def test_logits_rejects_out_of_vocabulary_ids(llm):
     llm.logits([2, 100, v])
   with pytest.raises(ValueError, match="token id -1"):
     llm.logits([-1])
+
+
+def _agreement(f32_logprobs, golden, logits_of):
+  """(top-1 agreement with float32, mean KL(float32 || other) in nats) over every golden position."""
+  agree, total, kls = 0, 0, []
+  for name, g in golden.items():
+    lp = log_softmax(logits_of(g["ids"].tolist()).astype(np.float64))
+    ref = f32_logprobs[name]
+    agree += int((lp.argmax(-1) == ref.argmax(-1)).sum())
+    total += len(lp)
+    kls.append((np.exp(ref) * (ref - lp)).sum(-1))
+  return agree / total, float(np.concatenate(kls).mean())
+
+
+def test_int8_weights_stay_close_to_float32(f32_logprobs, golden):
+  """int8 projection and embedding weights (one scale per output channel), float32 activations,
+  over every position of every golden prompt (the long one past the sliding window included)."""
+  from jaxgen import LLM
+
+  llm_int8 = LLM(dtype="float32", quantization="int8", max_len=256, max_batch=1, seed=0)
+  top1, kl = _agreement(f32_logprobs, golden, llm_int8.logits)
+  print(f"int8 weights vs float32: top-1 agreement {top1:.4f}, mean KL {kl:.5f} nats")
+  assert top1 >= 0.98 and kl <= 0.01

@@ -73,6 +73,16 @@ def test_planner_matches_allocated_bytes(tiny, mesh):
   assert "weights" in got["plan_text"] and "KV cache" in got["plan_text"]
 
 
+def test_int8_weights_sharded_equal_one_device(tiny):
+  got = tiny["int8"]
+  assert got["tokens"] == got["reference_tokens"]
+  assert got["logits_max_abs_diff"] <= 1e-4
+  assert 0 < got["float_logits_max_abs_diff"]  # the weights really are quantized
+  assert got["layout_mismatches"] == [] and got["checked_arrays"] > 30
+  assert abs(got["plan_weights"] - got["allocated_weights"]) <= 0.05 * got["allocated_weights"]
+  assert got["allocated_weights"] <= 0.3 * got["float_weights"]
+
+
 def test_bad_meshes_are_clear_errors_before_any_compile(tiny):
   errors = tiny["errors"]
   assert re.search(r"needs 16 devices but only 8", errors["too_large"])
@@ -115,6 +125,12 @@ def expected_spec(name: str, ndim: int, kv_replicated: bool):
       "q": ("model", None, None), "o": (None, "model"),
       "kv": (None if kv_replicated else "model", None, None, None),
       "gate_up": ("model", None, None), "down": (None, "model"),
+      # int8 block scales (tiny config at model=4): with their blocks where the blocks divide
+      # evenly (q, kv, gate_up by output; o's 4 blocks of inputs over 4 shards), replicated where
+      # they do not (down's 3 blocks of 32 mlp inputs)
+      "embed_scale": ("model", None), "unembed_scale": ("model", None), "q_scale": ("model", None, None),
+      "kv_scale": (None if kv_replicated else "model", None, None, None), "o_scale": (None, "model"),
+      "gate_up_scale": ("model", None, None), "down_scale": (None, None),
   }
   return table.get(leaf, (None,) * ndim)
 
@@ -140,6 +156,8 @@ class FakeTokenizer:
 
 def _use_tiny_model(cfg):
   """Makes `load(None)` return a random model of `cfg`, built like the real loader builds one."""
+  import dataclasses
+
   import jaxgen.checkpoints.source as load_mod
   import numpy as np
   from jaxgen.model.params import build_model, param_specs
@@ -150,10 +168,11 @@ def _use_tiny_model(cfg):
   arrays = {name: ((1.0 if name in ("embed", "unembed") else 0.05) * rng.standard_normal(shape)).astype(np.float32)
             for name, shape in ((n, s.shape) for n, s in param_specs(cfg, "float32").items())}
 
-  def fake_load(path, dtype="float32", place=None, mesh=None, progress=None):
+  def fake_load(path, dtype="float32", place=None, mesh=None, progress=None, quantization=None):
+    qcfg = dataclasses.replace(cfg, weight_quant=quantization)
     if place is None and mesh is not None:
-      place = rules.placer(rules.param_shardings(cfg, dtype, mesh))
-    return cfg, build_model(cfg, arrays, dtype, source="tiny", place=place), FakeTokenizer()
+      place = rules.placer(rules.param_shardings(qcfg, dtype, mesh))
+    return qcfg, build_model(qcfg, arrays, dtype, source="tiny", place=place), FakeTokenizer()
 
   load_mod.load = fake_load
 
@@ -296,6 +315,20 @@ def worker_tiny() -> dict:
                       "sampler": _device0_bytes(llm.engine.state.sampler)},
         "plan_text": str(plan),
     }
+
+  # int8 weights: sharded equals one device, scales placed with what they scale, the plan holds.
+  ref_q = LLM(None, quantization="int8", **kw)
+  q_tokens, _ = _greedy(ref_q, PROMPTS)
+  llm_q = LLM(None, mesh=MeshConfig(data=2, model=4), quantization="int8", **kw)
+  bad, n = _layout(llm_q, kv_replicated=False)
+  result["int8"] = {
+      "reference_tokens": q_tokens, "tokens": _greedy(llm_q, PROMPTS)[0],
+      "logits_max_abs_diff": float(np.max(np.abs(llm_q.logits(SCORED) - ref_q.logits(SCORED)))),
+      "float_logits_max_abs_diff": float(np.max(np.abs(ref_q.logits(SCORED) - ref_logits))),
+      "layout_mismatches": bad, "checked_arrays": n,
+      "plan_weights": llm_q.plan.weights, "allocated_weights": _device0_bytes(llm_q.engine.params),
+      "float_weights": result["meshes"]["2x4"]["allocated"]["weights"],
+  }
 
   # The detector, on a program that gathers the vocabulary-split embedding on purpose.
   llm = llms[2, 4]
