@@ -17,18 +17,19 @@ import jaxlib
 from jaxgen.decode.engine import program_count
 from jaxgen.llm import DEFAULT_COMPILATION_CACHE
 from jaxgen.model import platform as platforms
-from jaxgen.model.matmul import INT8_IMPL
+from jaxgen.model.matmul import INT8_IMPLS
 
 
 def gather(dtype: str = "float32", max_batch: int = 8) -> dict:
   p = platforms.resolve(dtype)
+  q = platforms.resolve(dtype, quantization="int8")  # what `quantization="int8"` would get
   cache = jax.config.jax_compilation_cache_dir or DEFAULT_COMPILATION_CACHE
   return dict(
       jaxgen=importlib.metadata.version("jaxgen"), jax=jax.__version__, jaxlib=jaxlib.__version__,
       flax=flax.__version__, python=host.python_version(), machine=host.machine(),
       backend=p.backend, devices=[str(d) for d in jax.devices()], device_kind=p.device_kind,
       dtype=dtype, kernels=p.kernels, reasons=dict(p.reasons),
-      int8_matmul=dict(impl=INT8_IMPL[0], reason=INT8_IMPL[1]),
+      int8_matmul=dict(impl=q.matmul, reason=INT8_IMPLS[q.matmul]),
       cpu_kernels=None if p.cpu_kernels is None else dict(available=p.cpu_kernels.available,
                                                           reason=p.cpu_kernels.reason),
       activation_dtype=p.activation_dtype or dtype, cache_dtype=p.cache_dtype, prefill_chunk=p.prefill_chunk,

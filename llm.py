@@ -61,7 +61,8 @@ class LLM:
     t0 = time.perf_counter()
     self.mesh = None if mesh is None else as_mesh(mesh)
     self.platform = platforms.resolve(dtype, cache_dtype=cache_dtype, devices=1 if self.mesh is None else self.mesh.size,
-                                      matmul=matmul_impl, attention=attention_impl, prefill_chunk=prefill_chunk)
+                                      matmul=matmul_impl, attention=attention_impl, prefill_chunk=prefill_chunk,
+                                      quantization=quantization)
     _warn_if_kernels_failed(self.platform)
     self.dtype = dtype
     self.cfg, self.model, self.tokenizer = source.load(model, dtype, mesh=self.mesh, quantization=quantization)

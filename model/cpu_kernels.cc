@@ -1,6 +1,6 @@
 // CPU kernels for XLA:CPU through the FFI, compiled on first use by `cpu_kernels.py` (which also
-// checks that the CPU has AVX-512 BF16). Two of them, for the two places where a batched decode
-// step on a CPU spent most of its time in XLA's generic code:
+// checks that the CPU has AVX-512 BF16). Two of them are for the two places where a batched decode
+// step on a CPU spent most of its time in XLA's generic code; the third reads int8 weights:
 //
 // jaxgen_bf16_matmul: out[M, N] (float32) = x[M, K] (bf16) . w[N, K]^T (bf16), for a few
 //   activation rows against every weight. XLA:CPU ran that at ~60-75% of its own large-matmul
@@ -9,6 +9,12 @@
 //   Tiling: 4 weight rows x 4 activation rows = 16 float32 accumulators of 16 lanes, each lane a
 //   partial dot product over K, summed across lanes together at the end. The weight rows of a tile
 //   stay in L1 while all activation rows pass over them.
+//
+// jaxgen_int8_matmul: out[M, N] (float32) = x[M, K] (float32) . (w[N, K] (int8) * scale)^T, with
+//   one float32 scale per 32 consecutive weights of a row (`model/quant.py`'s layout). Each block
+//   of 32 int8 weights is widened to float32 and scaled in registers (the same products the XLA
+//   formulation computes), then multiplied into the activations with FMAs: the weights are read
+//   as stored, 1.125 bytes each, and never written back dequantized. Same tiling as above.
 //
 // jaxgen_cache_attention: folds the keys [0, limit) of a float32 KV cache block into a running
 //   softmax state (max, sum of exp, exp-weighted sum of values) for a few query rows per kv head,
@@ -158,6 +164,88 @@ ffi::Error Bf16MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::B
 }
 
 //===----------------------------------------------------------------------===//
+// int8 (blocks of 32, float32 scales) matmul
+//===----------------------------------------------------------------------===//
+
+constexpr int64_t kBlock = 32;  // int8 weights per scale
+
+// Rows [m, m + TM) of x against weight rows [n, n + TN): as `Tile`, float32 activations.
+template <int TM, int TN>
+inline void Int8Tile(const float* x, const int8_t* w, const float* scale, float* out, int64_t m, int64_t n,
+                     int64_t N, int64_t K, const int8_t* ahead) {
+  const int64_t blocks = K / kBlock;
+  __m512 acc[16];
+  for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t k = b * kBlock;
+    if (ahead)
+      for (int j = 0; j < kTileN; ++j) _mm_prefetch(reinterpret_cast<const char*>(ahead + j * K + k), _MM_HINT_T1);
+    __m512 lo[TN], hi[TN];
+    for (int j = 0; j < TN; ++j) {
+      const int8_t* row = w + (n + j) * K + k;
+      const __m512 s = _mm512_set1_ps(scale[(n + j) * blocks + b]);
+      lo[j] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row)))), s);
+      hi[j] = _mm512_mul_ps(
+          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16)))), s);
+    }
+    for (int i = 0; i < TM; ++i) {
+      const __m512 x0 = _mm512_loadu_ps(x + (m + i) * K + k), x1 = _mm512_loadu_ps(x + (m + i) * K + k + 16);
+      for (int j = 0; j < TN; ++j)
+        acc[i * 4 + j] = _mm512_fmadd_ps(x1, hi[j], _mm512_fmadd_ps(x0, lo[j], acc[i * 4 + j]));
+    }
+  }
+  alignas(64) float sums[16];
+  _mm512_store_ps(sums, SumLanes16(acc));
+  for (int i = 0; i < TM; ++i)
+    for (int j = 0; j < TN; ++j) out[(m + i) * N + n + j] = sums[j * 4 + i];
+}
+
+template <int TN>
+void Int8Rows(const float* x, const int8_t* w, const float* scale, float* out, int64_t M, int64_t n, int64_t N,
+              int64_t K) {
+  const int64_t next = n + kPrefetchTiles * kTileN;
+  const int8_t* ahead = next + kTileN <= N ? w + next * K : nullptr;
+  int64_t m = 0;
+  for (; m + kTileM <= M; m += kTileM, ahead = nullptr) Int8Tile<kTileM, TN>(x, w, scale, out, m, n, N, K, ahead);
+  switch (M - m) {
+    case 3: Int8Tile<3, TN>(x, w, scale, out, m, n, N, K, ahead); break;
+    case 2: Int8Tile<2, TN>(x, w, scale, out, m, n, N, K, ahead); break;
+    case 1: Int8Tile<1, TN>(x, w, scale, out, m, n, N, K, ahead); break;
+  }
+}
+
+void Int8Span(const float* x, const int8_t* w, const float* scale, float* out, int64_t M, int64_t N, int64_t K,
+              int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  for (; n + kTileN <= n1; n += kTileN) Int8Rows<4>(x, w, scale, out, M, n, N, K);
+  switch (n1 - n) {
+    case 3: Int8Rows<3>(x, w, scale, out, M, n, N, K); break;
+    case 2: Int8Rows<2>(x, w, scale, out, M, n, N, K); break;
+    case 1: Int8Rows<1>(x, w, scale, out, M, n, N, K); break;
+  }
+}
+
+ffi::Error Int8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
+                          ffi::Buffer<ffi::F32> scale, ffi::ResultBuffer<ffi::F32> out) {
+  auto xd = x.dimensions(), wd = w.dimensions(), sd = scale.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[1] || sd.size() != 2 || sd[0] != wd[0] ||
+      sd[1] * kBlock != wd[1])
+    return ffi::Error::InvalidArgument("jaxgen_int8_matmul: expected x [M, K], w [N, K] and scale [N, K / 32]");
+  const int64_t M = xd[0], N = wd[0], K = xd[1];
+  const float* xp = x.typed_data();
+  const int8_t* wp = w.typed_data();
+  const float* sp = scale.typed_data();
+  float* op = out->typed_data();
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t target = std::max<int64_t>(kTileN, N / (16 * threads));
+  const int64_t chunk = (target + kTileN - 1) / kTileN * kTileN;
+  ParallelFor(pool, (N + chunk - 1) / chunk, [=](int64_t c) {
+    Int8Span(xp, wp, sp, op, M, N, K, c * chunk, std::min(N, (c + 1) * chunk));
+  });
+  return ffi::Error::Success();
+}
+
+//===----------------------------------------------------------------------===//
 // Attention over a cache block
 //===----------------------------------------------------------------------===//
 
@@ -261,6 +349,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxgenBf16Matmul, Bf16MatmulImpl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxgenInt8Matmul, Int8MatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxgenCacheAttention, CacheAttentionImpl,

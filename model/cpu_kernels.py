@@ -5,6 +5,8 @@ weak: a few activation rows times every 16-bit weight (XLA:CPU's bf16 matmul run
 its large-matmul rate there), and attention over the cache in small chunks (each chunk copied out
 of the cache, plus per-op overhead at every step of the loop). `matmul` and `cache_attention` do
 those two jobs on AVX-512 (BF16) instructions, reading weights and cache where they lie.
+`int8_matmul` multiplies by int8 weights in blocks of 32 (`model.quant`) without the dequantized
+copy of the weight that XLA:CPU writes before a matmul of more than one row.
 
 `status()` decides once per process, outside any trace, whether they can run here: an x86-64 CPU
 with AVX-512 BF16, a C++ compiler, `JAXGEN_CPU_KERNELS` not set to 0, and a build that succeeds.
@@ -32,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 MATMUL = "jaxgen_bf16_matmul"
+INT8_MATMUL = "jaxgen_int8_matmul"
 ATTENTION = "jaxgen_cache_attention"
 MAX_ROWS = 32  # rows a call takes: decode batches (matmul), query rows per kv head (attention);
 # from 64 matmul rows on, XLA's matmul is as fast (measured)
@@ -86,6 +89,7 @@ def probe(compiler: str | None = None, directory: pathlib.Path | None = None) ->
   if not lib.jaxgen_bf16_matmul_supported():
     return Status(False, "this CPU lacks AVX-512 BF16 instructions")
   jax.ffi.register_ffi_target(MATMUL, jax.ffi.pycapsule(lib.JaxgenBf16Matmul), platform="cpu")
+  jax.ffi.register_ffi_target(INT8_MATMUL, jax.ffi.pycapsule(lib.JaxgenInt8Matmul), platform="cpu")
   jax.ffi.register_ffi_target(ATTENTION, jax.ffi.pycapsule(lib.JaxgenCacheAttention), platform="cpu")
   return Status(True, f"built with {os.path.basename(compiler)}, AVX-512 BF16 present")
 
@@ -100,6 +104,12 @@ def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
   """x [M, K] bf16 . w [N, K]^T bf16 -> float32 [M, N] (K a multiple of 32)."""
   m, n = x.shape[0], w.shape[0]
   return jax.ffi.ffi_call(MATMUL, jax.ShapeDtypeStruct((m, n), jnp.float32))(x, w)
+
+
+def int8_matmul(x: jax.Array, w: jax.Array, scale: jax.Array) -> jax.Array:
+  """x [M, K] float32 . (w [N, K] int8 in blocks of 32 with scale [N, K / 32] float32)^T -> float32 [M, N]."""
+  m, n = x.shape[0], w.shape[0]
+  return jax.ffi.ffi_call(INT8_MATMUL, jax.ShapeDtypeStruct((m, n), jnp.float32))(x, w, scale)
 
 
 def cache_attention(q, k, v, k_pos, q_pos, limit, run, window: int | None, softcap: float | None):

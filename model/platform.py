@@ -64,12 +64,14 @@ REFERENCE = Platform(backend="any", matmul="xla", attention="xla",
 
 def resolve(weight_dtype: str, *, cache_dtype: str | None = None, devices: int = 1, matmul: str = "auto",
             attention: str = "auto", prefill_chunk: int | None = None,
-            kernels: cpu_kernels.Status | None = None) -> Platform:
+            kernels: cpu_kernels.Status | None = None, quantization: str | None = None) -> Platform:
   """The platform for an engine over `devices` devices of the default backend, weights in `weight_dtype`.
 
   matmul / attention: "auto" (the fastest that runs here), "xla" (the plain formulation: what TPU
   and GPU run; on CPU the float32 activations stay), or "cpu" (jaxgen's CPU kernels; a ValueError
   where they cannot run). kernels: the CPU kernels' status (default: `cpu_kernels.status()`).
+  quantization: the weights' (`ModelConfig.weight_quant`): int8 weights take the CPU kernels'
+  int8 matmul where they run, whatever `weight_dtype` (the dtype of norms and activations).
   """
   for name, value in (("matmul", matmul), ("attention", attention)):
     if value not in CHOICES:
@@ -93,7 +95,9 @@ def resolve(weight_dtype: str, *, cache_dtype: str | None = None, devices: int =
   if (matmul == "cpu" or attention == "cpu") and not usable.available:
     raise ValueError(f"the CPU kernels were asked for but cannot run: {usable.reason}")
   sixteen = jnp.dtype(weight_dtype).itemsize == 2
-  if not sixteen:
+  if quantization == "int8" and matmul != "xla" and usable.available:
+    mm, mm_why = "cpu", "CPU kernel reads the int8 blocks for 1-32 rows (prompt chunks dequantize into XLA's matmul)"
+  elif not sixteen:
     mm, mm_why = "xla", f"{weight_dtype} weights: XLA's own matmul"
   elif matmul == "xla":
     mm, mm_why = "xla", "asked for (matmul_impl='xla'): weights widened to float32 before each matmul"

@@ -17,10 +17,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jaxgen.model import cpu_kernels
+from jaxgen.model import cpu_kernels, quant
 from jaxgen.model import platform as platforms
 from jaxgen.model.attention import KVBlock, attention, attention_xla_chunked
-from jaxgen.model.matmul import matmul
+from jaxgen.model.matmul import matmul, project
 
 RNG = np.random.default_rng(0)
 
@@ -199,3 +199,33 @@ def test_no_compiler_shows_in_jaxgen_info_and_generation_still_runs(tmp_path):
   if CAN_RUN:
     assert "failed" in report["cpu_kernels"]["reason"] and not report["cpu_kernels"]["available"]
   assert report["kernels"]["matmul"] == "xla_cpu" and "CPU kernels:" in report["reasons"]["matmul"]
+
+
+# ---------------------------------------------------------------------------------- int8 matmul
+@needs_kernel
+@pytest.mark.parametrize("m,n,k", [(1, 1, 32), (2, 5, 64), (4, 4, 640), (5, 9, 96), (17, 30, 1024), (32, 7, 2048)])
+def test_int8_kernel_matches_float64(m, n, k):
+  assert cpu_kernels.status().available  # builds and registers the kernels in this process
+  x = RNG.normal(size=(m, k)).astype(np.float32)
+  values, scale = quant.quantize_np(RNG.normal(size=(n, k)).astype(np.float32) * 0.05)
+  got = np.asarray(jax.jit(cpu_kernels.int8_matmul)(x, values, scale))
+  w64 = (values.reshape(n, -1, 32).astype(np.float64) * scale[..., None]).reshape(n, k)
+  want = x.astype(np.float64) @ w64.T
+  bound = 1e-6 * (np.abs(x.astype(np.float64)) @ np.abs(w64).T) + 1e-30
+  assert got.dtype == np.float32 and got.shape == (m, n)
+  assert np.all(np.abs(got - want) <= bound), float(np.max(np.abs(got - want) / bound))
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows,uses", [(1, True), (8, True), (cpu_kernels.MAX_ROWS, True),
+                                       (cpu_kernels.MAX_ROWS + 1, False)])
+def test_int8_products_take_the_kernel_for_decode_sized_row_counts(rows, uses):
+  p = platforms.resolve("float32", quantization="int8")
+  assert p.matmul == "cpu"
+  x = jnp.asarray(RNG.normal(size=(rows, 1, 64)), jnp.float32)
+  values, scale = quant.quantize(jnp.asarray(RNG.normal(size=(48, 64)), jnp.float32))
+  hlo = jax.jit(lambda x, w, s: project(x, w, s, p)).lower(x, values, scale).as_text()
+  assert (cpu_kernels.INT8_MATMUL in hlo) == uses
+  got = np.asarray(project(x, values, scale, p))
+  want = np.asarray(project(x, values, scale, platforms.REFERENCE))  # dequantize, then XLA's matmul
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

@@ -179,3 +179,15 @@ def test_device_bytes_of_int8_weights(qwen3_int8):
   q = sum(x.nbytes for x in jax.tree.leaves(qwen3_int8.engine.params))
   f = sum(x.nbytes for x in jax.tree.leaves(floats.engine.params))
   assert q <= 0.3 * f
+
+
+def test_decode_on_this_machines_int8_path_equals_the_plain_formulation(qwen3_int8):
+  """Greedy decode (where the CPU kernel serves int8 products if it runs here) against the plain
+  XLA formulation TPU and GPU run: same tokens, logprobs within float32 noise."""
+  plain = LLM(str(HF / "qwen3"), max_len=64, max_batch=1, seed=0, quantization="int8", matmul_impl="xla")
+  params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=1)
+  a = qwen3_int8.generate([[5, 6, 7, 8]], params, use_tqdm=False)[0].outputs[0]
+  b = plain.generate([[5, 6, 7, 8]], params, use_tqdm=False)[0].outputs[0]
+  assert a.token_ids == b.token_ids
+  for t, x, y in zip(a.token_ids, a.logprobs, b.logprobs):
+    assert abs(x[t].logprob - y[t].logprob) < 1e-4
