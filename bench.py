@@ -148,7 +148,8 @@ def kv_bytes_read(cache, length: int, platform, rows: int | None = None) -> int:
       kernel = platform.attention == "cpu" and layer.k.dtype == jnp.float32 and h % 16 == 0
       c = 1 if kernel else min(cpu_chunk(b * kh, 1), size)
       entries = min(-(-min(length, kv.capacity(layer)) // c) * c, size)
-    total += int(layer.k.nbytes + layer.v.nbytes) * (rows or b) * entries // (size * b)
+    held = layer.k.nbytes + layer.v.nbytes + (layer.k_scale.nbytes + layer.v_scale.nbytes if layer.quantized else 0)
+    total += int(held) * (rows or b) * entries // (size * b)
   return total
 
 

@@ -18,11 +18,10 @@ from jaxgen.checkpoints.chat import chat_format
 from jaxgen.checkpoints.convert import convert
 from jaxgen.decode.params import SamplingParams
 from jaxgen.llm import DEFAULT_COMPILATION_CACHE, LLM
-from jaxgen.model.platform import CHOICES, DTYPES
+from jaxgen.model.platform import CACHE_DTYPES, CHOICES, DTYPES
 from jaxgen.sharding import distributed
 from jaxgen.sharding.mesh import MeshConfig
 
-CACHE_DTYPES = DTYPES  # the KV cache: float32, bfloat16, float16
 DEFAULT_PROMPT = "The three most important ideas in computer science are"
 
 

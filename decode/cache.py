@@ -14,7 +14,7 @@ import dataclasses
 import flax.struct
 import jax
 import jax.numpy as jnp
-from jaxgen.model import kv
+from jaxgen.model import kv, quant
 from jaxgen.model.config import LOCAL, ModelConfig
 
 LENGTH_AXES = ("cache_batch",)
@@ -32,7 +32,8 @@ class KVCache:
 
 @dataclasses.dataclass(frozen=True)
 class CacheSpec:
-  """Sizes of the cache: `slots` rows of up to `max_len` tokens, in `dtype`."""
+  """Sizes of the cache: `slots` rows of up to `max_len` tokens, in `dtype` (float32, bfloat16,
+  float16, or int8 with float32 scales per block of 16 of each key and value vector)."""
 
   slots: int
   max_len: int
@@ -43,21 +44,31 @@ class CacheSpec:
       return min(cfg.sliding_window, self.max_len)
     return self.max_len
 
+  @property
+  def quantized(self) -> bool:
+    """int8 entries with float32 block scales (`model.kv`)."""
+    return self.dtype == "int8"
+
   def shapes(self, cfg: ModelConfig) -> KVCache:
     """The cache as a tree of ShapeDtypeStructs (for planning, sharding and allocation)."""
     dt = jnp.dtype(self.dtype)
     layers = []
     for kind in cfg.layer_kinds:
       shape = (self.slots, cfg.num_kv_heads, self.layer_len(cfg, kind) + kv.SCRATCH, cfg.head_dim)
-      layers.append(kv.LayerCache(jax.ShapeDtypeStruct(shape, dt), jax.ShapeDtypeStruct(shape, dt)))
+      entries = [jax.ShapeDtypeStruct(shape, dt)] * 2
+      if self.quantized:
+        entries += [jax.ShapeDtypeStruct(shape[:-1] + (cfg.head_dim // quant.group_size(cfg.head_dim, quant.KV_GROUP),), jnp.float32)] * 2
+      layers.append(kv.LayerCache(*entries))
     return KVCache(tuple(layers), jax.ShapeDtypeStruct((self.slots,), jnp.int32))
 
   def axes(self, cfg: ModelConfig) -> KVCache:
     """Logical axis names, in the same tree structure as `shapes`."""
-    return KVCache(tuple(kv.LayerCache(kv.AXES, kv.AXES) for _ in cfg.layer_kinds), LENGTH_AXES)
+    entries = (kv.AXES, kv.AXES) + ((kv.SCALE_AXES, kv.SCALE_AXES) if self.quantized else ())
+    return KVCache(tuple(kv.LayerCache(*entries) for _ in cfg.layer_kinds), LENGTH_AXES)
 
   def bytes_per_slot(self, cfg: ModelConfig) -> int:
-    per_entry = 2 * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(self.dtype).itemsize
+    scales = 4 * cfg.head_dim // quant.group_size(cfg.head_dim, quant.KV_GROUP) if self.quantized else 0
+    per_entry = 2 * cfg.num_kv_heads * (cfg.head_dim * jnp.dtype(self.dtype).itemsize + scales)
     return sum(per_entry * (self.layer_len(cfg, kind) + kv.SCRATCH) for kind in cfg.layer_kinds)
 
   def bytes_per_token(self, cfg: ModelConfig) -> float:

@@ -13,7 +13,8 @@
 
 A block is a `KVBlock`: keys and values [B', K, S, H] of which the batch reads the rows `rows`
 (None: the first B), key positions [B, S] (-1: empty), and optionally `limit` (no key at index
->= limit is visible to any row). Visibility is causal, within `window` when given:
+>= limit is visible to any row). An int8 block (an int8 cache) carries the scales of its key and
+value vectors and is dequantized into the queries' dtype as it is read (`_read`, `_chunk`). Visibility is causal, within `window` when given:
 `layers.attention_mask`. Query head n reads kv head n // G (G = N / K).
 """
 
@@ -23,7 +24,7 @@ from typing import Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
-from jaxgen.model import cpu_kernels
+from jaxgen.model import cpu_kernels, quant
 from jaxgen.model.layers import NEG_INF, attention_mask
 
 
@@ -33,6 +34,8 @@ class KVBlock(NamedTuple):
   pos: jax.Array  # [B, S] int32: position of each key of each batch row, -1 for an empty entry
   limit: jax.Array | None = None  # int32 scalar: no key at index >= limit is visible
   rows: jax.Array | None = None  # [B] int32: the rows of k, v the batch reads; None: the first B
+  k_scale: jax.Array | None = None  # [B', K, S, H / 16] float32: k and v are int8 (`model.kv`)
+  v_scale: jax.Array | None = None
 
 
 def attention(q: jax.Array, blocks: Sequence[KVBlock], q_pos: jax.Array, window: int | None,
@@ -44,6 +47,17 @@ def attention(q: jax.Array, blocks: Sequence[KVBlock], q_pos: jax.Array, window:
 def read_rows(x: jax.Array, rows: jax.Array | None, b: int) -> jax.Array:
   """The batch's rows of a block array [B', ...] -> [B, ...]."""
   return x[:b] if rows is None else jnp.take(x, rows, axis=0)
+
+
+def _dequantized(x: jax.Array, scale: jax.Array | None, dtype) -> jax.Array:
+  return x.astype(dtype) if scale is None else quant.dequantize(x, scale, dtype)
+
+
+def _read(blk: KVBlock, b: int, dtype) -> tuple[jax.Array, jax.Array]:
+  """The batch's rows of the block's keys and values, whole, in `dtype`."""
+  scale = lambda s: None if s is None else read_rows(s, blk.rows, b)  # noqa: E731
+  return (_dequantized(read_rows(blk.k, blk.rows, b), scale(blk.k_scale), dtype),
+          _dequantized(read_rows(blk.v, blk.rows, b), scale(blk.v_scale), dtype))
 
 
 def _group(q: jax.Array, kv_heads: int) -> jax.Array:
@@ -77,8 +91,8 @@ def attention_xla(q, blocks, q_pos, window, softcap, platform=None):
   qg = _group(q, kh)
   scores, values = [], []
   for blk in blocks:
-    k, v = read_rows(blk.k, blk.rows, b), read_rows(blk.v, blk.rows, b)
-    s = jnp.einsum("bkrh,bksh->bkrs", qg, k.astype(q.dtype), preferred_element_type=jnp.float32)
+    k, v = _read(blk, b, q.dtype)
+    s = jnp.einsum("bkrh,bksh->bkrs", qg, k, preferred_element_type=jnp.float32)
     visible = _visible(q_pos, blk.pos, window, g)
     if blk.limit is not None:
       visible &= jnp.arange(k.shape[2]) < blk.limit
@@ -138,24 +152,32 @@ def _start(q, kh: int, blocks, q_pos, window, scores, weighted):
   run = (zeros + NEG_INF, zeros, jnp.zeros((b, kh, t * (n // kh), h), jnp.float32))
   if not blocks:
     return run
-  s = jnp.concatenate([jnp.where(_visible(q_pos, blk.pos, window, n // kh),
-                                 scores(qg, read_rows(blk.k, blk.rows, b)), NEG_INF) for blk in blocks], axis=-1)
+  kvs = [_read(blk, b, q.dtype) for blk in blocks]
+  s = jnp.concatenate([jnp.where(_visible(q_pos, blk.pos, window, n // kh), scores(qg, k), NEG_INF)
+                       for blk, (k, _) in zip(blocks, kvs)], axis=-1)
   m = jnp.max(s, axis=-1, keepdims=True)
   p = jnp.exp(s - m)
   total, at = run[2], 0
-  for blk in blocks:
+  for blk, (_, v) in zip(blocks, kvs):
     size = blk.k.shape[2]
-    total = total + weighted(p[..., at:at + size], read_rows(blk.v, blk.rows, b))
+    total = total + weighted(p[..., at:at + size], v)
     at += size
   return m, jnp.sum(p, axis=-1, keepdims=True), total
 
 
 def _chunk_of(x: jax.Array, rows: jax.Array | None, b: int, at, c: int) -> jax.Array:
-  """Entries [at, at + c) of the batch's rows of x [B', K, S, H] -> [B, K, c, H], reading only those."""
+  """Entries [at, at + c) of the batch's rows of x [B', K, S, ...] -> [B, K, c, ...], reading only those."""
+  tail = x.shape[3:]
   if rows is None:
-    return jax.lax.dynamic_slice(x, (0, 0, at, 0), (b, x.shape[1], c, x.shape[3]))
-  take = lambda r: jax.lax.dynamic_slice(x, (r, 0, at, 0), (1, x.shape[1], c, x.shape[3]))[0]  # noqa: E731
+    return jax.lax.dynamic_slice(x, (0, 0, at) + (0,) * len(tail), (b, x.shape[1], c) + tail)
+  take = lambda r: jax.lax.dynamic_slice(x, (r, 0, at) + (0,) * len(tail), (1, x.shape[1], c) + tail)[0]  # noqa: E731
   return jax.vmap(take)(rows)
+
+
+def _chunk(blk: KVBlock, b: int, at, c: int, dtype) -> tuple[jax.Array, jax.Array]:
+  """Keys and values [at, at + c) of the batch's rows, in `dtype`."""
+  part = lambda x: None if x is None else _chunk_of(x, blk.rows, b, at, c)  # noqa: E731
+  return (_dequantized(part(blk.k), part(blk.k_scale), dtype), _dequantized(part(blk.v), part(blk.v_scale), dtype))
 
 
 def fold_chunked(run, qg, blk: KVBlock, q_pos, window, c: int, scores, weighted):
@@ -173,11 +195,12 @@ def fold_chunked(run, qg, blk: KVBlock, q_pos, window, c: int, scores, weighted)
     at = jnp.minimum(i * c, size - c)
     visible = _visible(q_pos, jax.lax.dynamic_slice_in_dim(blk.pos, at, c, axis=1), window, g)
     visible &= at + jnp.arange(c) >= i * c
-    s = jnp.where(visible, scores(qg, _chunk_of(blk.k, blk.rows, b, at, c)), NEG_INF)
+    k, v = _chunk(blk, b, at, c, qg.dtype)
+    s = jnp.where(visible, scores(qg, k), NEG_INF)
     m_new = jnp.maximum(m, jnp.max(s, axis=-1, keepdims=True))
     p = jnp.exp(s - m_new)
     scale = jnp.exp(m - m_new)
-    acc = acc * scale + weighted(p, _chunk_of(blk.v, blk.rows, b, at, c))
+    acc = acc * scale + weighted(p, v)
     return i + 1, (m_new, l * scale + jnp.sum(p, axis=-1, keepdims=True), acc)
 
   _, run = jax.lax.while_loop(lambda carry: carry[0] * c < blk.limit, body, (jnp.int32(0), run))

@@ -9,6 +9,13 @@ The last entry (index S_l) is scratch: never attended, it absorbs the writes of 
 rows that take no token, so every write is an unconditional in-place update (a conditional "drop"
 write makes XLA copy the whole layer).
 
+An int8 cache stores k and v as int8 with float32 scales per (row, kv head, entry) and block of
+16 of the head dim (`quant.KV_GROUP`; one block when 16 does not divide H): each new key or
+value vector is quantized on write and dequantized where attention reads it. (One scale per
+vector moved 4% of the embedded model's greedy choices on the golden prompts; blocks of 32, 1.5%;
+of 16, 1%.) Entries are
+written once and never rescaled, so a ring overwrites an entry's values and scales together.
+
 A layer call covers B rows (`Rows`): row b is cache row `index[b]` (or b), held `start[b]` tokens
 before the call and takes the first `count[b]` of the T new ones (positions start[b] + t). The
 positions of all held entries follow from `start`, so nothing else is stored.
@@ -21,16 +28,24 @@ from typing import NamedTuple
 import flax.struct
 import jax
 import jax.numpy as jnp
+from jaxgen.model import quant
 from jaxgen.model.attention import KVBlock
 
 SCRATCH = 1  # extra entry per layer that takes writes meant for nowhere
 AXES = ("cache_batch", "kv_heads", "cache_seq", "head_dim")  # logical axes of k and v
+SCALE_AXES = AXES[:-1] + (None,)  # of an int8 cache's scales [B', K, S_l + 1, H / 16]
 
 
 @flax.struct.dataclass
 class LayerCache:
   k: jax.Array  # [B', K, S_l + 1, H]
   v: jax.Array  # [B', K, S_l + 1, H]
+  k_scale: jax.Array | None = None  # [B', K, S_l + 1, H / 16] float32: int8 caches only
+  v_scale: jax.Array | None = None
+
+  @property
+  def quantized(self) -> bool:
+    return self.k_scale is not None
 
 
 class Rows(NamedTuple):
@@ -69,7 +84,7 @@ def held(layer: LayerCache, rows: Rows, ring: bool) -> KVBlock:
   size = capacity(layer)
   pos = jnp.pad(entry_positions(rows.start, size, ring), ((0, 0), (0, SCRATCH)), constant_values=-1)
   limit = jnp.minimum(jnp.max(jnp.where(rows.count > 0, rows.start, 0)), size)
-  return KVBlock(layer.k, layer.v, pos, limit, rows.index)
+  return KVBlock(layer.k, layer.v, pos, limit, rows.index, layer.k_scale, layer.v_scale)
 
 
 def write(layer: LayerCache, k: jax.Array, v: jax.Array, rows: Rows, after: jax.Array) -> LayerCache:
@@ -88,6 +103,10 @@ def write(layer: LayerCache, k: jax.Array, v: jax.Array, rows: Rows, after: jax.
   b, t = k.shape[:2]
   zero = (0 * jnp.sum(after, axis=tuple(range(1, after.ndim)))).astype(k.dtype)[:, None, None, None]
   k, v = k + zero, v + zero
+  scales = None
+  if layer.quantized:  # int8 [B, T, K, H] and scales [B, T, K, H / 16]
+    (k, k_scale), (v, v_scale) = quant.quantize(k, quant.KV_GROUP), quant.quantize(v, quant.KV_GROUP)
+    scales = (k_scale, v_scale)
   size = capacity(layer)
   ti = jnp.arange(t, dtype=jnp.int32)[None, :]
   keep = (ti < rows.count[:, None]) & (ti >= rows.count[:, None] - size)
@@ -97,11 +116,18 @@ def write(layer: LayerCache, k: jax.Array, v: jax.Array, rows: Rows, after: jax.
     # One entry: a plain in-place update (XLA lowers a one-element scatter to a select that
     # reads the old entry first, which costs a copy of the whole layer every step).
     at = (row[0], 0, idx[0, 0], 0)
-    return LayerCache(jax.lax.dynamic_update_slice(layer.k, k.swapaxes(1, 2).astype(layer.k.dtype), at),
-                      jax.lax.dynamic_update_slice(layer.v, v.swapaxes(1, 2).astype(layer.v.dtype), at))
+    new = [jax.lax.dynamic_update_slice(layer.k, k.swapaxes(1, 2).astype(layer.k.dtype), at),
+           jax.lax.dynamic_update_slice(layer.v, v.swapaxes(1, 2).astype(layer.v.dtype), at)]
+    if scales is not None:
+      new += [jax.lax.dynamic_update_slice(old, s.swapaxes(1, 2), at)
+              for old, s in zip((layer.k_scale, layer.v_scale), scales)]
+    return LayerCache(*new)
   rr = jnp.broadcast_to(row[:, None], (b, t))
   # Advanced indices (rows, idx) around the kv-head slice put [B, T] first: values are [B, T, K, H].
   unique = t == 1  # one write per row: no two updates meet, not even in the scratch entry
-  new_k = layer.k.at[rr, :, idx].set(k.astype(layer.k.dtype), mode="promise_in_bounds", unique_indices=unique)
-  new_v = layer.v.at[rr, :, idx].set(v.astype(layer.v.dtype), mode="promise_in_bounds", unique_indices=unique)
-  return LayerCache(new_k, new_v)
+  new = [old.at[rr, :, idx].set(x.astype(old.dtype), mode="promise_in_bounds", unique_indices=unique)
+         for old, x in ((layer.k, k), (layer.v, v))]
+  if scales is not None:
+    new += [old.at[rr, :, idx].set(s, mode="promise_in_bounds", unique_indices=unique)
+            for old, s in zip((layer.k_scale, layer.v_scale), scales)]
+  return LayerCache(*new)

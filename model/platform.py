@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jaxgen.model import cpu_kernels
 
 DTYPES = ("float32", "bfloat16", "float16")
+CACHE_DTYPES = DTYPES + ("int8",)  # int8: with float32 scales per block of 16 (`model.kv`)
 CHOICES = ("auto", "xla", "cpu")  # what a user may ask for, per op
 
 
@@ -78,6 +79,8 @@ def resolve(weight_dtype: str, *, cache_dtype: str | None = None, devices: int =
       raise ValueError(f"{name}_impl={value!r} is not supported; choose one of {list(CHOICES)}")
   if weight_dtype not in DTYPES:
     raise ValueError(f"dtype={weight_dtype!r} is not supported; use one of {list(DTYPES)}")
+  if cache_dtype is not None and cache_dtype not in CACHE_DTYPES:
+    raise ValueError(f"cache_dtype={cache_dtype!r} is not supported; use one of {list(CACHE_DTYPES)}")
   backend = jax.default_backend()
   kind = jax.devices()[0].device_kind
   if backend != "cpu":

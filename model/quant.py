@@ -31,11 +31,12 @@ QUANTIZED = ("q", "kv", "o", "gate_up", "down", "embed", "unembed")  # leaf name
 SCALE_SUFFIX = "_scale"
 INT8_MAX = 127
 GROUP = 32
+KV_GROUP = 16  # the int8 KV cache's block (`model.kv`)
 
 
-def group_size(in_dim: int) -> int:
-  """Inputs per scale: GROUP where it divides the input size, else the whole row."""
-  return GROUP if in_dim % GROUP == 0 else in_dim
+def group_size(in_dim: int, group: int = GROUP) -> int:
+  """Inputs per scale: `group` where it divides the input size, else the whole row."""
+  return group if in_dim % group == 0 else in_dim
 
 
 def scale_axes(axes: tuple[str | None, ...]) -> tuple[str | None, ...]:
@@ -66,10 +67,10 @@ def quantize_np(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
   return values.reshape(w.shape), scale
 
 
-def quantize(w: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """Device: the same as `quantize_np`, in jnp."""
+def quantize(w: jax.Array, group: int = GROUP) -> tuple[jax.Array, jax.Array]:
+  """Device: the same as `quantize_np`, in jnp (blocks of `group` where it divides)."""
   w = w.astype(jnp.float32)
-  blocks = w.reshape(*w.shape[:-1], -1, group_size(w.shape[-1]))
+  blocks = w.reshape(*w.shape[:-1], -1, group_size(w.shape[-1], group))
   amax = jnp.max(jnp.abs(blocks), axis=-1)
   scale = jnp.where(amax > 0, amax / INT8_MAX, 1.0)
   values = jnp.clip(jnp.round(blocks / scale[..., None]), -INT8_MAX, INT8_MAX).astype(jnp.int8)

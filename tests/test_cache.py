@@ -17,7 +17,7 @@ from conftest import platform_for, tiny_config, tiny_model
 from flax import nnx
 from jaxgen.decode import cache as kvc
 from jaxgen.decode import steps
-from jaxgen.model import kv
+from jaxgen.model import kv, quant
 from jaxgen.model.config import LOCAL
 from jaxgen.model.platform import REFERENCE
 
@@ -218,3 +218,48 @@ def test_a_row_with_a_non_finite_attention_output_spoils_only_its_own_cache_entr
   written = kv.write(cache.layers[0], k, k, rows, after)
   np.testing.assert_array_equal(np.asarray(written.k[1, :, 5]), 1.0)  # row 1's new entry
   assert np.isnan(np.asarray(written.k[0, :, 3])).all()  # row 0's: the zero it carries is NaN
+
+
+# ------------------------------------------------------------------------------- int8 entries
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("chunks", [(5,), (16, 7), (3, 16, 16, 2)])
+def test_int8_cache_stays_close_to_the_float_cache(chunks, impl):
+  """Chunked prefill and decode over an int8 cache (rings of 8 wrapped several times), on every
+  attention implementation: within a few percent of the float32 cache, same greedy choice
+  wherever the float cache is decisive."""
+  model = tiny_model()
+  ids = list(np.random.default_rng(1).integers(3, 300, 50))
+  ref = cached_logits(model, ids, chunks, platform_for(impl))
+  got = cached_logits(model, ids, chunks, platform_for(impl), cache_dtype="int8")
+  assert got.keys() == ref.keys()
+  for pos in ref:
+    scale = np.abs(ref[pos]).max()
+    np.testing.assert_allclose(got[pos], ref[pos], atol=0.03 * scale, rtol=0, err_msg=f"position {pos}")
+    top2 = np.sort(ref[pos])[-2:]
+    if top2[1] - top2[0] > 0.05 * scale:
+      assert got[pos].argmax() == ref[pos].argmax(), pos
+
+
+def test_int8_entries_read_back_within_half_a_step_in_their_ring_slots():
+  cfg = tiny_config()
+  spec = kvc.CacheSpec(2, 16, "int8")
+  cache = kvc.allocate(cfg, spec)
+  layer = cache.layers[0]  # a ring of 8
+  assert layer.k.dtype == jnp.int8 and layer.k_scale.shape == (2, cfg.num_kv_heads, 9, 1)  # H=16: one block
+  rng = np.random.default_rng(4)
+  k = jnp.asarray(rng.normal(size=(1, 11, cfg.num_kv_heads, cfg.head_dim)) * 3, jnp.float32)
+  v = jnp.asarray(rng.normal(size=(1, 11, cfg.num_kv_heads, cfg.head_dim)), jnp.float32)
+  rows = kv.Rows(jnp.array([0], jnp.int32), jnp.array([11], jnp.int32), jnp.array([1], jnp.int32))
+  layer = kv.write(layer, k, v, rows, after=jnp.zeros((1, 11, 4, 16)))
+  block = kv.held(layer, kv.Rows(jnp.array([11], jnp.int32), jnp.array([1], jnp.int32), jnp.array([1], jnp.int32)),
+                  ring=True)
+  got_k = np.asarray(quant.dequantize(block.k[1], block.k_scale[1], jnp.float32))  # [K, 9, H]
+  pos = np.asarray(block.pos[0])
+  for j in range(8):  # entry j holds the latest position p < 11 with p % 8 == j
+    p = pos[j]
+    assert p == max(q for q in range(11) if q % 8 == j)
+    want = np.asarray(k[0, p])  # [K, H]
+    step = np.asarray(block.k_scale[1, :, j])  # [K, 1]
+    assert np.all(np.abs(got_k[:, j] - want) <= step / 2 + 1e-7)
+  assert not np.asarray(layer.k[0]).any()  # row 0 untouched
+  assert spec.bytes_per_slot(cfg) == sum(x.nbytes for x in jax.tree.leaves(cache.layers)) // 2

@@ -101,3 +101,26 @@ def test_int8_weights_stay_close_to_float32(f32_logprobs, golden):
   top1, kl = _agreement(f32_logprobs, golden, llm_int8.logits)
   print(f"int8 weights vs float32: top-1 agreement {top1:.4f}, mean KL {kl:.5f} nats")
   assert top1 >= 0.98 and kl <= 0.01
+
+
+def test_int8_kv_cache_stays_close_to_bfloat16(llm_bf16, golden):
+  """bf16 weights; the prompt's first half prefilled in chunks of 64 (each chunk reads what the
+  earlier ones cached), the rest decoded teacher-forced, every step reading the cache: int8 entries
+  (a scale per key and value vector) against bfloat16 entries, at every decoded position. The
+  long prompt wraps the sliding-window rings."""
+  from test_generate import _cached_run
+
+  agree, total, kls = 0, 0, []
+  for name, g in golden.items():
+    ids = g["ids"].tolist()
+    half = len(ids) // 2
+    runs = [_cached_run(llm_bf16.model, llm_bf16.platform, ids, half, slot=0, slots=1, chunk=64, max_len=1536,
+                        cache_dtype=dt) for dt in ("bfloat16", "int8")]
+    ref = log_softmax(np.stack([runs[0][0], *runs[0][1]]).astype(np.float64))
+    got = log_softmax(np.stack([runs[1][0], *runs[1][1]]).astype(np.float64))
+    agree += int((ref.argmax(-1) == got.argmax(-1)).sum())
+    total += len(ref)
+    kls.append((np.exp(ref) * (ref - got)).sum(-1))
+  top1, kl = agree / total, float(np.concatenate(kls).mean())
+  print(f"int8 KV vs bfloat16 KV ({total} positions): top-1 agreement {top1:.4f}, mean KL {kl:.5f} nats")
+  assert top1 >= 0.99 and kl <= 0.005

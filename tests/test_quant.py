@@ -123,18 +123,33 @@ def test_quantized_logits_are_those_of_the_dequantized_weights():
   assert 0 < np.abs(got - ref).max() < 0.05 * np.abs(ref).max()  # close to float, and not float
 
 
-def test_quantized_engine_compiles_nothing_after_warmup():
+def _run(eng, requests):
+  ids = [eng.add_request(p, sp) for p, sp in requests]
+  done = {}
+  while eng.has_unfinished():
+    for out in eng.step():
+      if out.finished:
+        done[out.request_id] = [c.token_ids for c in out.outputs]
+  return [done[i] for i in ids]
+
+
+def test_int8_weights_and_cache_engine_is_batch_invariant_and_compiles_nothing_after_warmup():
+  """int8 weights and an int8 KV cache: a seeded n=2 request (its second sample forked from the
+  first's cache rows) gives the same tokens alone and among others, chunked prefill past the
+  rings included, and no program compiles after warm-up."""
   _, qmodel, _ = quantized_pair()
-  eng = Engine(qmodel, ToyTokenizer(300), max_batch=4, max_len=128, prefill_chunk=32, seed=0)
+  eng = Engine(qmodel, ToyTokenizer(300), max_batch=4, max_len=128, prefill_chunk=32, seed=0, cache_dtype="int8")
+  assert eng.state.cache.layers[0].k.dtype == jnp.int8
   eng.warmup()
   before = compiles.count()
+  probe = ([5, 9, 200] * 25, SamplingParams(n=2, max_tokens=8, temperature=1.0, top_k=20, seed=11))  # 75 tokens
+  alone = _run(eng, [probe])[0]
   rng = random.Random(0)
-  for i in range(12):
-    prompt = [rng.randint(3, 299) for _ in range(rng.choice([1, 5, 31, 33, 90]))]
-    eng.add_request(prompt, SamplingParams(max_tokens=rng.randint(1, 6), temperature=rng.choice([0.0, 1.0]),
-                                           n=rng.choice([1, 2]), seed=i))
-  while eng.has_unfinished():
-    eng.step()
+  others = [([rng.randint(3, 299) for _ in range(rng.choice([1, 5, 31, 33, 90]))],
+             SamplingParams(max_tokens=rng.randint(1, 6), temperature=rng.choice([0.0, 1.0]), seed=i))
+            for i in range(6)]
+  mixed = _run(eng, others[:3] + [probe] + others[3:])
+  assert mixed[3] == alone and alone[0] != alone[1]
   assert compiles.count() == before
 
 

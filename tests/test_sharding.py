@@ -73,7 +73,7 @@ def test_planner_matches_allocated_bytes(tiny, mesh):
   assert "weights" in got["plan_text"] and "KV cache" in got["plan_text"]
 
 
-def test_int8_weights_sharded_equal_one_device(tiny):
+def test_int8_weights_and_cache_sharded_equal_one_device(tiny):
   got = tiny["int8"]
   assert got["tokens"] == got["reference_tokens"]
   assert got["logits_max_abs_diff"] <= 1e-4
@@ -81,6 +81,11 @@ def test_int8_weights_sharded_equal_one_device(tiny):
   assert got["layout_mismatches"] == [] and got["checked_arrays"] > 30
   assert abs(got["plan_weights"] - got["allocated_weights"]) <= 0.05 * got["allocated_weights"]
   assert got["allocated_weights"] <= 0.3 * got["float_weights"]
+  # The int8 cache: split like the float one (scales too), the plan right, a third of float32's bytes
+  # (int8 entries plus a float32 scale per 16).
+  assert got["cache_dtype"] == "int8" and got["sampled"] == got["reference_sampled"]
+  assert abs(got["plan_kv"] - got["allocated_kv"]) <= 0.05 * got["allocated_kv"]
+  assert got["allocated_kv"] <= 0.32 * got["float_kv"]
 
 
 def test_bad_meshes_are_clear_errors_before_any_compile(tiny):
@@ -237,7 +242,7 @@ def _layout(llm, kv_replicated: bool):
   state = llm.engine.state
   kv_axis = None if kv_replicated else "model"
   for i, layer in enumerate(state.cache.layers):
-    for arr in (layer.k, layer.v):
+    for arr in (layer.k, layer.v) + ((layer.k_scale, layer.v_scale) if layer.quantized else ()):
       n += 1
       if _spec(arr) != ("data", kv_axis, None, None):  # [B, K, S, H]
         bad.append(f"cache layer {i}: {arr.sharding.spec}")
@@ -316,10 +321,11 @@ def worker_tiny() -> dict:
         "plan_text": str(plan),
     }
 
-  # int8 weights: sharded equals one device, scales placed with what they scale, the plan holds.
-  ref_q = LLM(None, quantization="int8", **kw)
+  # int8 weights and KV cache: sharded equals one device, scales placed with what they scale,
+  # the plan holds.
+  ref_q = LLM(None, quantization="int8", cache_dtype="int8", **kw)
   q_tokens, _ = _greedy(ref_q, PROMPTS)
-  llm_q = LLM(None, mesh=MeshConfig(data=2, model=4), quantization="int8", **kw)
+  llm_q = LLM(None, mesh=MeshConfig(data=2, model=4), quantization="int8", cache_dtype="int8", **kw)
   bad, n = _layout(llm_q, kv_replicated=False)
   result["int8"] = {
       "reference_tokens": q_tokens, "tokens": _greedy(llm_q, PROMPTS)[0],
@@ -328,6 +334,10 @@ def worker_tiny() -> dict:
       "layout_mismatches": bad, "checked_arrays": n,
       "plan_weights": llm_q.plan.weights, "allocated_weights": _device0_bytes(llm_q.engine.params),
       "float_weights": result["meshes"]["2x4"]["allocated"]["weights"],
+      "plan_kv": llm_q.plan.kv_cache, "allocated_kv": _device0_bytes(llm_q.engine.state.cache),
+      "float_kv": result["meshes"]["2x4"]["allocated"]["kv_cache"],
+      "cache_dtype": str(llm_q.engine.state.cache.layers[0].k.dtype), "sampled": _sampled(llm_q),
+      "reference_sampled": _sampled(ref_q),
   }
 
   # The detector, on a program that gathers the vocabulary-split embedding on purpose.
