@@ -232,7 +232,7 @@ def test_metrics_snapshot():
   m = eng.metrics()
   assert m["running"] == 0 and m["waiting"] == 0 and m["slots"] == 2
   # What the device holds for the cache, counted from the arrays themselves.
-  held = sum(x.nbytes for x in jax.tree.leaves(eng.state.cache))
+  held = sum(x.nbytes for x in jax.tree.leaves(eng.state.cache.layers))
   assert m["kv_cache_bytes_allocated"] == held > 0
   assert m["prefill_tokens"] > 0 and m["decode_tokens"] > 0
   assert m["prefill_tok_s"] > 0 and m["decode_tok_s"] > 0
