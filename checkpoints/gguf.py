@@ -7,6 +7,9 @@ What llama.cpp's conversion changed, and is undone here:
 - GGUF lists dims fastest-first; `gguf` hands back numpy order, which is [out, in] like jaxgen.
 - Llama 3.1+ RoPE scaling is stored as the tensor `rope_freqs.weight` (a divisor per frequency,
   the "llama3" formula precomputed): it becomes `ModelConfig.rope_factors`.
+- Q8_0 tensors are blocks of 32 int8 weights along a row with a float16 scale each: jaxgen's int8
+  layout (`model.quant`). When int8 weights are asked for (`keep_q8_0`), they are split into
+  values and scales as stored, with no float round trip; every other type is dequantized.
 
 What GGUF does not record comes from documented tables: the per-family constants of
 `FAMILY_DEFAULTS`, and Gemma's query scale (`GEMMA_QUERY_PRE_ATTN_SCALAR`). A file whose config
@@ -23,6 +26,7 @@ from typing import Any, Mapping
 
 import gguf
 import numpy as np
+from jaxgen.model import quant
 from jaxgen.model.config import FAMILY_DEFAULTS, LOCAL, ModelConfig, layer_pattern
 
 GGUF_MAGIC = b"GGUF"
@@ -114,15 +118,17 @@ def fuse(cfg: ModelConfig, tensors: dict[str, np.ndarray], source: str,
   file when `names` maps jaxgen names to those).
   """
   names = names or {}
+  tensors = _same_kind_in_pairs(tensors, cfg.num_layers)
   d, n, k, h, f = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim
   want = {"q": (n * h, d), "k": (k * h, d), "v": (k * h, d), "o": (d, n * h), "gate": (f, d), "up": (f, d),
           "down": (d, f), "q_bias": (n * h,), "k_bias": (k * h,), "v_bias": (k * h,)}
   out = {}
+  separate = ("q", "k", "v", "o", "gate", "up", "q_bias", "k_bias", "v_bias")
   for name, w in tensors.items():
     leaf = name.rsplit(".", 1)[-1]
     if leaf in want and tuple(w.shape) != want[leaf]:
       raise ValueError(f"{source}: tensor {names.get(name, name)} has shape {tuple(w.shape)}, expected {want[leaf]}")
-    if leaf not in ("q", "k", "v", "o", "gate", "up", "q_bias", "k_bias", "v_bias"):
+    if leaf not in separate and leaf.removesuffix(quant.SCALE_SUFFIX) not in separate:
       out[name] = w
   for i in range(cfg.num_layers):
     p = f"layers.{i}."
@@ -131,12 +137,43 @@ def fuse(cfg: ModelConfig, tensors: dict[str, np.ndarray], source: str,
       out[p + "kv"] = np.stack([tensors[p + "k"].reshape(k, h, d), tensors[p + "v"].reshape(k, h, d)], axis=1)
       out[p + "o"] = tensors[p + "o"]
       out[p + "gate_up"] = np.stack([tensors[p + "gate"], tensors[p + "up"]], axis=1)
+      _fuse_scales(tensors, out, p, n, k, h)
       if cfg.qkv_bias:
         out[p + "q_bias"] = tensors[p + "q_bias"].reshape(n, h)
         out[p + "kv_bias"] = np.stack([tensors[p + "k_bias"].reshape(k, h), tensors[p + "v_bias"].reshape(k, h)], axis=1)
     except KeyError as e:
       raise ValueError(f"{source}: missing tensor for {e.args[0]}") from None
   return out
+
+
+def _same_kind_in_pairs(tensors: dict[str, np.ndarray], num_layers: int) -> dict[str, np.ndarray]:
+  """k and v, gate and up are fused into one array: where only one of a pair came as int8 blocks
+  (a file mixing Q8_0 with other types), that one is dequantized like its partner."""
+  out = dict(tensors)
+  suffix = quant.SCALE_SUFFIX
+  for i in range(num_layers):
+    for pair in (("k", "v"), ("gate", "up")):
+      names = [f"layers.{i}.{leaf}" for leaf in pair]
+      has = [name + suffix in out for name in names]
+      if any(has) and not all(has):
+        for name in names:
+          if name + suffix in out:
+            out[name] = np.asarray(quant.dequantize(out[name], out.pop(name + suffix), np.float32))
+  return out
+
+
+def _fuse_scales(tensors, out, p: str, n: int, k: int, h: int) -> None:
+  """The Q8_0 scales [out, in / 32] of a layer's separate matrices, fused as their weights are."""
+  sc = lambda leaf: tensors.get(p + leaf + quant.SCALE_SUFFIX)  # noqa: E731
+  suffix = quant.SCALE_SUFFIX
+  if sc("q") is not None:
+    out[p + "q" + suffix] = sc("q").reshape(n, h, -1)
+  if sc("k") is not None and sc("v") is not None:
+    out[p + "kv" + suffix] = np.stack([sc("k").reshape(k, h, -1), sc("v").reshape(k, h, -1)], axis=1)
+  if sc("o") is not None:
+    out[p + "o" + suffix] = sc("o")
+  if sc("gate") is not None and sc("up") is not None:
+    out[p + "gate_up" + suffix] = np.stack([sc("gate"), sc("up")], axis=1)
 
 
 def _query_scale(arch: str, meta: Mapping[str, Any], n_layers: int, d: int, source: str) -> float:
@@ -236,8 +273,19 @@ def config_from_gguf_metadata(meta: Mapping[str, Any], source: str = "<gguf>") -
   )
 
 
-def read_gguf(path: str, progress=None) -> tuple[ModelConfig, dict[str, np.ndarray], object]:
-  """Returns (config, {jaxgen name: float32 ndarray}, reader). Tensors are dequantized on the host.
+def _q8_0_blocks(t) -> tuple[np.ndarray, np.ndarray]:
+  """A Q8_0 tensor's int8 values [out, in] and float32 scales [out, in / 32], as stored."""
+  rows = int(np.prod([int(d) for d in t.shape[1:]]))
+  blocks = np.asarray(t.data).reshape(rows, -1, 34)  # per block: float16 scale, then 32 int8
+  scale = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
+  values = blocks[..., 2:].copy().view(np.int8).reshape(rows, -1)
+  return values, scale
+
+
+def read_gguf(path: str, progress=None, keep_q8_0: bool = False
+              ) -> tuple[ModelConfig, dict[str, np.ndarray], object]:
+  """Returns (config, {jaxgen name: ndarray}, reader). Tensors are dequantized to float32 on the
+  host, except Q8_0 ones with `keep_q8_0`: those come as int8 values with `{name}_scale`.
 
   `progress(n)`, when given, is called after each tensor (for a progress bar over `reader.tensors`).
   """
@@ -250,10 +298,15 @@ def read_gguf(path: str, progress=None) -> tuple[ModelConfig, dict[str, np.ndarr
   arrays: dict[str, np.ndarray] = {}
   source_names: dict[str, str] = {}
   for t in reader.tensors:
-    try:
-      w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
-    except NotImplementedError as e:
-      raise ValueError(f"{path!r}: tensor {t.name!r} uses {t.tensor_type.name}, which gguf cannot dequantize") from e
+    name = _jaxgen_name(t.name)
+    scale = None
+    if keep_q8_0 and t.tensor_type == gguf.GGMLQuantizationType.Q8_0 and name and quant.is_quantized_name(name):
+      w, scale = _q8_0_blocks(t)
+    else:
+      try:
+        w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+      except NotImplementedError as e:
+        raise ValueError(f"{path!r}: tensor {t.name!r} uses {t.tensor_type.name}, which gguf cannot dequantize") from e
     w = w.reshape(tuple(int(d) for d in reversed(t.shape)))  # numpy order: [out, in]
     if t.name == ROPE_FREQS:
       if w.shape != (cfg.head_dim // 2,):
@@ -262,7 +315,6 @@ def read_gguf(path: str, progress=None) -> tuple[ModelConfig, dict[str, np.ndarr
         raise ValueError(f"{path!r}: both {ROPE_FREQS} and rope.scaling metadata are set; refusing to guess")
       cfg = dataclasses.replace(cfg, rope_factors=tuple(float(x) for x in w))
       continue
-    name = _jaxgen_name(t.name)
     if name is None:
       raise ValueError(f"{path!r}: tensor {t.name!r} has no place in the {cfg.family} model")
     if cfg.norm_offset and name.endswith("norm"):
@@ -270,8 +322,11 @@ def read_gguf(path: str, progress=None) -> tuple[ModelConfig, dict[str, np.ndarr
     heads = cfg.num_heads if name.endswith(".q") else cfg.num_kv_heads
     if cfg.family in _PERMUTED_QK and name.endswith((".q", ".k")) and w.shape[0] == heads * cfg.head_dim:
       w = _unpermute_rope(w, heads)  # (a wrong shape is reported by fuse, by the file's tensor name)
+      scale = None if scale is None else _unpermute_rope(scale, heads)
     arrays[name] = w
     source_names[name] = t.name
+    if scale is not None:
+      arrays[name + quant.SCALE_SUFFIX] = scale
     if progress is not None:
       progress(1)
   return cfg, fuse(cfg, arrays, repr(path), source_names), reader

@@ -43,10 +43,11 @@ def source_kind(path: str) -> str:
                    "nor a Hugging Face model (config.json)")
 
 
-def read_arrays(path: str, kind: str, progress: Callable[[int], None] | None = None):
-  """(config, {jaxgen name: host array}, tokenizer) of a GGUF file or HF directory."""
+def read_arrays(path: str, kind: str, progress: Callable[[int], None] | None = None, keep_q8_0: bool = False):
+  """(config, {jaxgen name: host array}, tokenizer) of a GGUF file or HF directory; with
+  `keep_q8_0`, a GGUF's Q8_0 weights come as int8 blocks with their scales (`gguf.read_gguf`)."""
   if kind == "gguf":
-    cfg, arrays, reader = gguf.read_gguf(path, progress=progress)
+    cfg, arrays, reader = gguf.read_gguf(path, progress=progress, keep_q8_0=keep_q8_0)
     return cfg, arrays, tokenizer_from_gguf(reader)
   tokenizer = tokenizer_from_hf_dir(path)
   cfg, arrays = hf.read_hf(path, progress=progress)
@@ -77,7 +78,7 @@ def load(path: str | None, dtype="float32", place: Callable[[str, np.ndarray], j
     cfg, host, tokenizer = orbax_io.restore(path, dtype, place=lambda name, x: x)
     arrays = {name: np.asarray(x) for name, x in flat_params(host).items()}
   else:
-    cfg, arrays, tokenizer = read_arrays(path, kind, progress)
+    cfg, arrays, tokenizer = read_arrays(path, kind, progress, keep_q8_0=quantization == "int8")
   cfg = dataclasses.replace(cfg, weight_quant=quantization) if quantization else cfg
   if place is None and mesh is not None:
     place = placer(param_shardings(cfg, dtype, mesh))

@@ -269,3 +269,37 @@ def test_metadata_reads_every_field(tmp_path):
   write_gguf(p)
   meta = metadata(gguf.GGUFReader(str(p)))
   assert meta["gemma3.attention.sliding_window"] == 8 and meta["tokenizer.ggml.tokens"] == TOKENS
+
+
+@pytest.mark.parametrize("name", [n for n in GGUF_FILES if ".q8_0." in n])
+def test_q8_0_weights_load_as_stored_into_int8_blocks(name):
+  """quantization="int8" takes a Q8_0 file's blocks as they are: every int8 weight times its
+  scale equals gguf's own dequantization of the tensor exactly, so the logits are transformers'
+  on the same file."""
+  import gguf
+
+  llm = LLM(str(DATA / "gguf" / name), max_len=128, max_batch=1, seed=0, quantization="int8")
+  reader = gguf.GGUFReader(str(DATA / "gguf" / name))
+  t = next(t for t in reader.tensors if t.name == "blk.1.ffn_down.weight")
+  want = gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(int(d) for d in reversed(t.shape)))
+  layer = llm.model.layers[1]
+  assert layer.down[...].dtype == jnp.int8
+  got = np.asarray(layer.down[...], np.float32).reshape(*want.shape[:-1], -1, 32) * np.asarray(layer.down_scale[...])[..., None]
+  np.testing.assert_array_equal(got.reshape(want.shape), want)
+  record, arrays = reference(name)
+  for i in range(len(record["prompts"])):
+    ids = arrays[f"ids_{i}"].tolist()
+    np.testing.assert_allclose(llm.logits(ids), arrays[f"logits_{i}"], atol=ATOL, rtol=0, err_msg=f"{name} prompt {i}")
+
+
+def test_a_pair_fused_from_mixed_types_is_dequantized_together():
+  """k as Q8_0 blocks beside v in another type (llama.cpp mixes types): k is dequantized so the
+  fused kv is one float array."""
+  from jaxgen.checkpoints.gguf import _same_kind_in_pairs
+  from jaxgen.model import quant
+
+  k = np.random.default_rng(0).normal(size=(4, 64)).astype(np.float32)
+  values, scale = quant.quantize_np(k)
+  out = _same_kind_in_pairs({"layers.0.k": values, "layers.0.k_scale": scale, "layers.0.v": k}, 1)
+  assert "layers.0.k_scale" not in out and out["layers.0.k"].dtype == np.float32
+  np.testing.assert_array_equal(out["layers.0.k"], np.asarray(quant.dequantize(values, scale, np.float32)))
