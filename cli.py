@@ -105,7 +105,8 @@ def cmd_generate(a) -> int:
     out = llm.generate(prompt, params, use_tqdm=False)[0]
     wall = time.perf_counter() - start
     print(json.dumps(dict(prompt=prompt, text=out.text, token_ids=out.token_ids, finish_reason=out.finish_reason,
-                          metrics=out.metrics.as_dict(), load_s=load_s, warmup_s=warm_s, wall_s=wall)))
+                          metrics=out.metrics.as_dict(), load_s=load_s, warmup_s=warm_s, wall_s=wall,
+                          dtype=a.dtype, quantization=llm.cfg.weight_quant, cache_dtype=llm.engine.spec.dtype)))
     return 0
   if not a.quiet:
     spec = llm.engine.spec

@@ -1,8 +1,9 @@
 """llama.cpp on the embedded model, measured the way `jaxgen bench` measures jaxgen.
 
 The embedded GGUF is Q4_K_M; llama.cpp's fair peer for jaxgen's bfloat16 weights is the same
-model in F16 (and F32 for jaxgen's float32). The script dequantizes the embedded file with the
-`gguf` package and writes an F16 (or F32) GGUF with the same metadata, then times, with
+model in F16 (F32 for jaxgen's float32, Q8_0 for its int8 weights). The script dequantizes the
+embedded file with the `gguf` package and writes an F16, F32 or Q8_0 GGUF with the same metadata
+(Q8_0 requantized by `gguf`, as jaxgen requantizes to int8 blocks), then times, with
 llama-cpp-python on `--threads` threads:
 - prefill of random prompts of each `--prompt-lengths` (one `eval` of the whole prompt);
 - decode at batch 1: `--steps` single-token evals after a `--context`-token prompt.
@@ -24,7 +25,8 @@ import time
 
 import numpy as np
 
-TYPES = {"f16": ("F16", np.float16, 1), "f32": ("F32", np.float32, 0)}  # (ggml type, numpy dtype, file_type)
+# (ggml type, numpy dtype or None for a quantized type, file_type)
+TYPES = {"f16": ("F16", np.float16, 1), "f32": ("F32", np.float32, 0), "q8_0": ("Q8_0", None, 7)}
 
 
 def convert(src: str, dst: str, kind: str) -> None:
@@ -44,7 +46,11 @@ def convert(src: str, dst: str, kind: str) -> None:
     writer.add_key_value(field.name, value, vtype, sub_type=sub)
   for t in reader.tensors:
     w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(reversed([int(d) for d in t.shape])))
-    writer.add_tensor(t.name, w.astype(dtype if w.ndim > 1 else np.float32))
+    if dtype is None and w.ndim > 1:
+      qtype = gguf.GGMLQuantizationType[ggml_name]
+      writer.add_tensor(t.name, gguf.quants.quantize(w.astype(np.float32), qtype), raw_dtype=qtype)
+    else:
+      writer.add_tensor(t.name, w.astype(dtype if w.ndim > 1 else np.float32))
   writer.write_header_to_file()
   writer.write_kv_data_to_file()
   writer.write_tensors_to_file()

@@ -129,7 +129,7 @@ def tokenizer_from_gguf(reader: "gguf.GGUFReader") -> Tokenizer:
     raise ValueError("this GGUF file has no tokenizer (no tokenizer.ggml.model metadata)")
   if kind not in SUPPORTED_GGUF_TOKENIZERS:
     raise ValueError(f"unsupported GGUF tokenizer: tokenizer.ggml.model = {kind!r}; supported: "
-                     f"{', '.join(repr(k) for k in SUPPORTED_GGUF_TOKENIZERS)} (SentencePiece BPE)")
+                     f"{', '.join(repr(k) for k in SUPPORTED_GGUF_TOKENIZERS)} (SentencePiece and byte-level BPE)")
   tokens = field("tokenizer.ggml.tokens")
   if not tokens:
     raise ValueError("GGUF tokenizer metadata has no tokenizer.ggml.tokens")

@@ -67,3 +67,18 @@ def test_bench_on_a_tiny_grid(capsys):
     assert 0 < r["mbu"] < 1.5
   for r in report["prefill"]:
     assert r["tok_s"] == pytest.approx(r["prompt_len"] / r["seconds"], rel=1e-6) and 0 < r["mfu"] < 1.5
+
+
+def test_quantization_and_cache_dtype_options_reach_the_engine(capsys):
+  llm = LLM(str(MODEL), max_len=64, max_batch=1, seed=0, quantization="int8", cache_dtype="int8")
+  want = llm.generate("The river bends", SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
+                      use_tqdm=False)[0].token_ids
+  assert main([*COMMON, "--quantization", "int8", "--cache-dtype", "int8", "--max-tokens", "6", "--ignore-eos",
+               "--json", "--no-warmup", "The river bends"]) == 0
+  out = json.loads(capsys.readouterr().out)
+  assert out["token_ids"] == want and (out["quantization"], out["cache_dtype"]) == ("int8", "int8")
+
+
+def test_bad_cache_dtype_is_refused_by_name():
+  with pytest.raises(ValueError, match=r"cache_dtype='int4' is not supported; use one of \['float32', 'bfloat16', 'float16', 'int8'\]"):
+    LLM(str(MODEL), max_len=64, max_batch=1, cache_dtype="int4")
