@@ -6,7 +6,7 @@ its large-matmul rate there), and attention over the cache in small chunks (each
 of the cache, plus per-op overhead at every step of the loop). `matmul` and `cache_attention` do
 those two jobs on AVX-512 (BF16) instructions, reading weights and cache where they lie.
 `int8_matmul` multiplies by int8 weights in blocks of 32 (`model.quant`) without the dequantized
-copy of the weight that XLA:CPU writes before a matmul of more than one row.
+copy of the weight that XLA:CPU writes before a matmul of more than one row (any row count).
 
 `status()` decides once per process, outside any trace, whether they can run here: an x86-64 CPU
 with AVX-512 BF16, a C++ compiler, `JAXGEN_CPU_KERNELS` not set to 0, and a build that succeeds.

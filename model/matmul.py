@@ -30,8 +30,8 @@ def matmul(x: jax.Array, w: jax.Array, platform) -> jax.Array:
 def project(x: jax.Array, w: jax.Array, scale: jax.Array | None, platform) -> jax.Array:
   """x [..., in] . w [out, in]^T, where an int8 w with its block scales [out, in / G] is
   dequantized into x's dtype inside the product (see `model.quant`; XLA fuses the convert and
-  multiply into the dot's operand on TPU and GPU). The "cpu" matmul takes int8 products of
-  decode-sized row counts to `cpu_kernels.int8_matmul`, which reads the int8 blocks as stored."""
+  multiply into the dot's operand on TPU and GPU). The "cpu" matmul takes int8 products to
+  `cpu_kernels.int8_matmul`, which reads the int8 blocks as stored."""
   if scale is None:
     return matmul(x, w, platform)
   if platform.matmul == "cpu" and int8_kernel_takes(x, w, scale):
@@ -42,12 +42,10 @@ def project(x: jax.Array, w: jax.Array, scale: jax.Array | None, platform) -> ja
 
 
 def int8_kernel_takes(x: jax.Array, w: jax.Array, scale: jax.Array) -> bool:
-  """Whether `cpu_kernels.int8_matmul` serves this product: float32 activations, up to MAX_ROWS
-  rows (prompt chunks are large matmuls, where dequantizing once per call is amortized), blocks
-  of 32."""
-  rows = math.prod(x.shape[:-1])
-  return (x.dtype == jnp.float32 and rows <= cpu_kernels.MAX_ROWS and scale.ndim == 2
-          and scale.shape[1] * quant.GROUP == w.shape[1])
+  """Whether `cpu_kernels.int8_matmul` serves this product: float32 activations and blocks of 32.
+  Any row count: prompt chunks too, where dequantizing the weight for XLA's matmul cost more than
+  the kernel's extra conversions (measured at 128 and 1,024 tokens)."""
+  return x.dtype == jnp.float32 and scale.ndim == 2 and scale.shape[1] * quant.GROUP == w.shape[1]
 
 
 def matmul_xla(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -102,8 +100,7 @@ def _matmul_cpu(x: jax.Array, w: jax.Array) -> jax.Array:
 
 # What serves a product with int8 weights (`quantization="int8"`), by the platform's matmul:
 INT8_IMPLS = {
-    "cpu": "jaxgen's int8 kernel for decode-sized row counts (reads the int8 blocks as stored); "
-           "prompt chunks dequantize once per call into XLA's matmul",
+    "cpu": "jaxgen's int8 kernel (reads the int8 blocks as stored, float32 FMAs)",
     "xla": "int8 blocks dequantized into the activations' dtype as the dot's operand (XLA fuses it "
            "into the dot on TPU and GPU)",
     "xla_cpu": "int8 blocks dequantized into the activations' dtype, then XLA:CPU's matmul",

@@ -99,7 +99,7 @@ def resolve(weight_dtype: str, *, cache_dtype: str | None = None, devices: int =
     raise ValueError(f"the CPU kernels were asked for but cannot run: {usable.reason}")
   sixteen = jnp.dtype(weight_dtype).itemsize == 2
   if quantization == "int8" and matmul != "xla" and usable.available:
-    mm, mm_why = "cpu", "CPU kernel reads the int8 blocks for 1-32 rows (prompt chunks dequantize into XLA's matmul)"
+    mm, mm_why = "cpu", "CPU kernel reads the int8 blocks as stored (float32 activations, FMAs)"
   elif not sixteen:
     mm, mm_why = "xla", f"{weight_dtype} weights: XLA's own matmul"
   elif matmul == "xla":

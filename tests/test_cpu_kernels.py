@@ -217,13 +217,13 @@ def test_int8_kernel_matches_float64(m, n, k):
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows,uses", [(1, True), (8, True), (cpu_kernels.MAX_ROWS, True),
-                                       (cpu_kernels.MAX_ROWS + 1, False)])
-def test_int8_products_take_the_kernel_for_decode_sized_row_counts(rows, uses):
+@pytest.mark.parametrize("rows,inputs,uses", [(1, 64, True), (8, 64, True), (33, 64, True), (256, 64, True),
+                                              (8, 40, False)])  # 40 inputs: one scale per row, not blocks
+def test_int8_products_take_the_kernel_where_the_blocks_are_32(rows, inputs, uses):
   p = platforms.resolve("float32", quantization="int8")
   assert p.matmul == "cpu"
-  x = jnp.asarray(RNG.normal(size=(rows, 1, 64)), jnp.float32)
-  values, scale = quant.quantize(jnp.asarray(RNG.normal(size=(48, 64)), jnp.float32))
+  x = jnp.asarray(RNG.normal(size=(rows, 1, inputs)), jnp.float32)
+  values, scale = quant.quantize(jnp.asarray(RNG.normal(size=(48, inputs)), jnp.float32))
   hlo = jax.jit(lambda x, w, s: project(x, w, s, p)).lower(x, values, scale).as_text()
   assert (cpu_kernels.INT8_MATMUL in hlo) == uses
   got = np.asarray(project(x, values, scale, p))
