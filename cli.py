@@ -33,7 +33,7 @@ def model_args(p: argparse.ArgumentParser) -> None:
                  help="JAX's persistent compilation cache directory ('' disables): a second start skips compiling")
   p.add_argument("--max-batch", type=int, default=1, help="cache slots decoded together")
   p.add_argument("--quantization", default=None, choices=["int8"],
-                 help="store the projection and embedding weights int8 (one scale per output channel)")
+                 help="store the projection and embedding weights int8 (a float32 scale per block of 32)")
   p.add_argument("--cache-dtype", default=None, choices=CACHE_DTYPES,
                  help="KV cache dtype (default: the platform's)")
   p.add_argument("--attention-impl", default="auto", choices=CHOICES, help="attention kernel (see `jaxgen info`)")
@@ -205,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
   c.add_argument("dst", help="directory to create")
   c.add_argument("--dtype", default="float32", choices=DTYPES, help="parameter dtype in the checkpoint")
   c.add_argument("--quiet", action="store_true", help="no progress bar")
-  c.add_argument("--quantize", default=None, choices=["int8"], help="write int8 weights with per-channel scales")
+  c.add_argument("--quantize", default=None, choices=["int8"], help="write int8 weights with a float32 scale per block of 32")
   c.set_defaults(func=cmd_convert)
 
   b = sub.add_parser("bench", help="measure prefill and decode apart, against the roofline")

@@ -45,8 +45,9 @@ class LLM:
   (jaxgen's CPU kernels); `self.platform` says what was chosen and why.
   seed: seeds the draw of a seed for requests that give none (None: from the OS).
   quantization: None (weights in `dtype`) or "int8": projection and embedding weights stored int8
-  on the device with one float32 scale per output channel (`jaxgen.model.quant`); activations
-  stay in the compute dtype.
+  on the device with a float32 scale per block of 32 inputs (`jaxgen.model.quant`; a GGUF's Q8_0
+  tensors load as they are); activations stay in the compute dtype. cache_dtype="int8": the KV
+  cache int8 with a float32 scale per block of 16 of each key and value vector (`model.kv`).
   """
 
   def __init__(self, model: str | None = None, *, dtype: str = "float32", max_len: int = 2048,

@@ -55,8 +55,8 @@ class ModelConfig:
   tie_embeddings: bool = True
   final_softcap: float | None = None  # Gemma 2: 30.0
   attn_softcap: float | None = None  # Gemma 2: 50.0
-  # How the projection and embedding weights are stored: None (the model's dtype) or "int8" (one
-  # scale per output channel, see `model.quant`). Part of the config so that every derived tree
+  # How the projection and embedding weights are stored: None (the model's dtype) or "int8" (a
+  # float32 scale per block of 32 inputs, see `model.quant`). Part of the config so that every derived tree
   # (parameter specs, shardings, the memory plan, an orbax checkpoint's restore target) follows it.
   weight_quant: str | None = None
 

@@ -86,7 +86,7 @@ def build_model(cfg: ModelConfig, arrays: Mapping[str, np.ndarray], dtype, sourc
     if got != spec.shape:
       raise ValueError(f"{source}: tensor {name} has shape {got}, expected {spec.shape}")
     x = np.asarray(arrays[name])
-    if name + quant.SCALE_SUFFIX in specs:  # quantized on the host, one output channel at a time
+    if name + quant.SCALE_SUFFIX in specs:  # quantized on the host, block by block
       scale_name = name + quant.SCALE_SUFFIX
       if x.dtype == np.int8 and scale_name in arrays:
         x, scale = x, np.asarray(arrays[scale_name], np.float32)

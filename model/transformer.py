@@ -43,7 +43,7 @@ def _weight(module: nnx.Module, name: str, cfg: ModelConfig, rngs: nnx.Rngs, sha
 
 
 def _weight_of(module: nnx.Module, name: str) -> tuple[jax.Array, jax.Array | None]:
-  """(weight, its per-channel scale or None)."""
+  """(weight, its block scales or None)."""
   scale = getattr(module, name + quant.SCALE_SUFFIX, None)
   return getattr(module, name)[...], None if scale is None else scale[...]
 

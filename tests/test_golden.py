@@ -93,7 +93,7 @@ def _agreement(f32_logprobs, golden, logits_of):
 
 
 def test_int8_weights_stay_close_to_float32(f32_logprobs, golden):
-  """int8 projection and embedding weights (one scale per output channel), float32 activations,
+  """int8 projection and embedding weights (a scale per block of 32), float32 activations,
   over every position of every golden prompt (the long one past the sliding window included)."""
   from jaxgen import LLM
 
