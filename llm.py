@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import time
 import warnings
@@ -61,12 +62,15 @@ class LLM:
       jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     t0 = time.perf_counter()
     self.mesh = None if mesh is None else as_mesh(mesh)
-    self.platform = platforms.resolve(dtype, cache_dtype=cache_dtype, devices=1 if self.mesh is None else self.mesh.size,
-                                      matmul=matmul_impl, attention=attention_impl, prefill_chunk=prefill_chunk,
-                                      quantization=quantization)
+    resolve = functools.partial(platforms.resolve, dtype, cache_dtype=cache_dtype, matmul=matmul_impl,
+                                attention=attention_impl, prefill_chunk=prefill_chunk,
+                                devices=1 if self.mesh is None else self.mesh.size)
+    self.platform = resolve(quantization=quantization)  # bad options are refused before any load
     _warn_if_kernels_failed(self.platform)
     self.dtype = dtype
     self.cfg, self.model, self.tokenizer = source.load(model, dtype, mesh=self.mesh, quantization=quantization)
+    if self.cfg.weight_quant != quantization:  # an orbax checkpoint saved int8 restores int8
+      self.platform = resolve(quantization=self.cfg.weight_quant)
     self.max_len = min(max_len, self.cfg.max_context)
     spec = CacheSpec(slots=max_batch, max_len=self.max_len, dtype=self.platform.cache_dtype)
     self.plan, shardings = None, None

@@ -130,20 +130,35 @@ def fuse(cfg: ModelConfig, tensors: dict[str, np.ndarray], source: str,
       raise ValueError(f"{source}: tensor {names.get(name, name)} has shape {tuple(w.shape)}, expected {want[leaf]}")
     if leaf not in separate and leaf.removesuffix(quant.SCALE_SUFFIX) not in separate:
       out[name] = w
+  suffix = quant.SCALE_SUFFIX
   for i in range(cfg.num_layers):
     p = f"layers.{i}."
     try:
-      out[p + "q"] = tensors[p + "q"].reshape(n, h, d)
-      out[p + "kv"] = np.stack([tensors[p + "k"].reshape(k, h, d), tensors[p + "v"].reshape(k, h, d)], axis=1)
-      out[p + "o"] = tensors[p + "o"]
-      out[p + "gate_up"] = np.stack([tensors[p + "gate"], tensors[p + "up"]], axis=1)
-      _fuse_scales(tensors, out, p, n, k, h)
+      for leaf, sources in _FUSED.items():
+        out[p + leaf] = _fused(leaf, [tensors[p + s] for s in sources], n, k, h)
+        if all(p + s + suffix in tensors for s in sources):  # Q8_0 blocks: scales fuse as their weights
+          out[p + leaf + suffix] = _fused(leaf, [tensors[p + s + suffix] for s in sources], n, k, h)
       if cfg.qkv_bias:
         out[p + "q_bias"] = tensors[p + "q_bias"].reshape(n, h)
         out[p + "kv_bias"] = np.stack([tensors[p + "k_bias"].reshape(k, h), tensors[p + "v_bias"].reshape(k, h)], axis=1)
     except KeyError as e:
       raise ValueError(f"{source}: missing tensor for {e.args[0]}") from None
   return out
+
+
+# jaxgen's fused matrix -> the separate ones it is made of
+_FUSED = {"q": ("q",), "kv": ("k", "v"), "o": ("o",), "gate_up": ("gate", "up")}
+
+
+def _fused(leaf: str, parts: list[np.ndarray], n: int, k: int, h: int) -> np.ndarray:
+  """Separate [out, in] arrays (weights, or their Q8_0 scales [out, in / 32]) -> fused `leaf`."""
+  if leaf == "q":
+    return parts[0].reshape(n, h, -1)
+  if leaf == "kv":
+    return np.stack([x.reshape(k, h, -1) for x in parts], axis=1)
+  if leaf == "gate_up":
+    return np.stack(parts, axis=1)
+  return parts[0]
 
 
 def _same_kind_in_pairs(tensors: dict[str, np.ndarray], num_layers: int) -> dict[str, np.ndarray]:
@@ -160,20 +175,6 @@ def _same_kind_in_pairs(tensors: dict[str, np.ndarray], num_layers: int) -> dict
           if name + suffix in out:
             out[name] = np.asarray(quant.dequantize(out[name], out.pop(name + suffix), np.float32))
   return out
-
-
-def _fuse_scales(tensors, out, p: str, n: int, k: int, h: int) -> None:
-  """The Q8_0 scales [out, in / 32] of a layer's separate matrices, fused as their weights are."""
-  sc = lambda leaf: tensors.get(p + leaf + quant.SCALE_SUFFIX)  # noqa: E731
-  suffix = quant.SCALE_SUFFIX
-  if sc("q") is not None:
-    out[p + "q" + suffix] = sc("q").reshape(n, h, -1)
-  if sc("k") is not None and sc("v") is not None:
-    out[p + "kv" + suffix] = np.stack([sc("k").reshape(k, h, -1), sc("v").reshape(k, h, -1)], axis=1)
-  if sc("o") is not None:
-    out[p + "o" + suffix] = sc("o")
-  if sc("gate") is not None and sc("up") is not None:
-    out[p + "gate_up" + suffix] = np.stack([sc("gate"), sc("up")], axis=1)
 
 
 def _query_scale(arch: str, meta: Mapping[str, Any], n_layers: int, d: int, source: str) -> float:
@@ -211,7 +212,7 @@ def _rope_scaling(arch: str, meta: Mapping[str, Any], source: str) -> dict:
                    "(supported: 'none', 'linear', 'llama3' and the rope_freqs tensor)")
 
 
-def _layer_kinds(arch: str, n_layers: int, global_every: int | None, window: int | None) -> tuple[str, ...]:
+def _layer_kinds(n_layers: int, global_every: int | None, window: int | None) -> tuple[str, ...]:
   """Which layers slide: Gemma's fixed patterns; for a family without one (Mistral), a window in the
   metadata means every layer slides, as the same key means in its HF config."""
   if window and not global_every:
@@ -259,7 +260,7 @@ def config_from_gguf_metadata(meta: Mapping[str, Any], source: str = "<gguf>") -
       rope_base=base,
       rope_base_local=float(meta.get(f"{arch}.rope.freq_base_swa", fam.get("rope_base_local", base))),
       sliding_window=int(window) if window else None,
-      layer_kinds=_layer_kinds(arch, n_layers, fam.get("global_every"), int(window) if window else None),
+      layer_kinds=_layer_kinds(n_layers, fam.get("global_every"), int(window) if window else None),
       query_scale=_query_scale(arch, meta, n_layers, d, source),
       embed_scale=fam.get("embed_scale", False),
       activation=fam["activation"],

@@ -49,6 +49,10 @@ class CacheSpec:
     """int8 entries with float32 block scales (`model.kv`)."""
     return self.dtype == "int8"
 
+  def scales_per_vector(self, cfg: ModelConfig) -> int:
+    """Float32 scales of one int8 key or value vector: a block of `quant.KV_GROUP` each."""
+    return cfg.head_dim // quant.group_size(cfg.head_dim, quant.KV_GROUP)
+
   def shapes(self, cfg: ModelConfig) -> KVCache:
     """The cache as a tree of ShapeDtypeStructs (for planning, sharding and allocation)."""
     dt = jnp.dtype(self.dtype)
@@ -57,7 +61,7 @@ class CacheSpec:
       shape = (self.slots, cfg.num_kv_heads, self.layer_len(cfg, kind) + kv.SCRATCH, cfg.head_dim)
       entries = [jax.ShapeDtypeStruct(shape, dt)] * 2
       if self.quantized:
-        entries += [jax.ShapeDtypeStruct(shape[:-1] + (cfg.head_dim // quant.group_size(cfg.head_dim, quant.KV_GROUP),), jnp.float32)] * 2
+        entries += [jax.ShapeDtypeStruct(shape[:-1] + (self.scales_per_vector(cfg),), jnp.float32)] * 2
       layers.append(kv.LayerCache(*entries))
     return KVCache(tuple(layers), jax.ShapeDtypeStruct((self.slots,), jnp.int32))
 
@@ -67,7 +71,7 @@ class CacheSpec:
     return KVCache(tuple(kv.LayerCache(*entries) for _ in cfg.layer_kinds), LENGTH_AXES)
 
   def bytes_per_slot(self, cfg: ModelConfig) -> int:
-    scales = 4 * cfg.head_dim // quant.group_size(cfg.head_dim, quant.KV_GROUP) if self.quantized else 0
+    scales = 4 * self.scales_per_vector(cfg) if self.quantized else 0
     per_entry = 2 * cfg.num_kv_heads * (cfg.head_dim * jnp.dtype(self.dtype).itemsize + scales)
     return sum(per_entry * (self.layer_len(cfg, kind) + kv.SCRATCH) for kind in cfg.layer_kinds)
 

@@ -14,7 +14,8 @@
 A block is a `KVBlock`: keys and values [B', K, S, H] of which the batch reads the rows `rows`
 (None: the first B), key positions [B, S] (-1: empty), and optionally `limit` (no key at index
 >= limit is visible to any row). An int8 block (an int8 cache) carries the scales of its key and
-value vectors and is dequantized into the queries' dtype as it is read (`_read`, `_chunk`). Visibility is causal, within `window` when given:
+value vectors and is dequantized into the queries' dtype as it is read (`_read`, `_chunk`).
+Visibility is causal, within `window` when given:
 `layers.attention_mask`. Query head n reads kv head n // G (G = N / K).
 """
 

@@ -56,8 +56,8 @@ class ModelConfig:
   final_softcap: float | None = None  # Gemma 2: 30.0
   attn_softcap: float | None = None  # Gemma 2: 50.0
   # How the projection and embedding weights are stored: None (the model's dtype) or "int8" (a
-  # float32 scale per block of 32 inputs, see `model.quant`). Part of the config so that every derived tree
-  # (parameter specs, shardings, the memory plan, an orbax checkpoint's restore target) follows it.
+  # float32 scale per block of 32 inputs, see `model.quant`). Part of the config so that every
+  # derived tree (parameter specs, shardings, the memory plan, an orbax restore target) follows it.
   weight_quant: str | None = None
 
   def __post_init__(self):

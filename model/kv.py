@@ -13,8 +13,8 @@ An int8 cache stores k and v as int8 with float32 scales per (row, kv head, entr
 16 of the head dim (`quant.KV_GROUP`; one block when 16 does not divide H): each new key or
 value vector is quantized on write and dequantized where attention reads it. (One scale per
 vector moved 4% of the embedded model's greedy choices on the golden prompts; blocks of 32, 1.5%;
-of 16, 1%.) Entries are
-written once and never rescaled, so a ring overwrites an entry's values and scales together.
+of 16, 1%.) Entries are written once and never rescaled, so a ring overwrites an entry's values
+and scales together.
 
 A layer call covers B rows (`Rows`): row b is cache row `index[b]` (or b), held `start[b]` tokens
 before the call and takes the first `count[b]` of the T new ones (positions start[b] + t). The

@@ -65,8 +65,6 @@ def _matmul_xla_cpu(x: jax.Array, w: jax.Array) -> jax.Array:
     return x @ w.T
   if math.prod(x.shape[:-1]) == 1:
     return _materialize(x) @ w.astype(x.dtype).T
-  if jnp.issubdtype(w.dtype, jnp.integer):  # int8: widen the weight, never narrow the activations
-    return x @ w.astype(x.dtype).T
   dims = (((x.ndim - 1,), (1,)), ((), ()))
   return jax.lax.dot_general(x.astype(w.dtype), w, dims, preferred_element_type=jnp.float32).astype(x.dtype)
 

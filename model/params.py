@@ -88,8 +88,10 @@ def build_model(cfg: ModelConfig, arrays: Mapping[str, np.ndarray], dtype, sourc
     x = np.asarray(arrays[name])
     if name + quant.SCALE_SUFFIX in specs:  # quantized on the host, block by block
       scale_name = name + quant.SCALE_SUFFIX
-      if x.dtype == np.int8 and scale_name in arrays:
-        x, scale = x, np.asarray(arrays[scale_name], np.float32)
+      if x.dtype == np.int8:  # already quantized: it must come with its scales
+        if scale_name not in arrays:
+          raise ValueError(f"{source}: tensor {name} is int8 but {scale_name} is missing")
+        scale = np.asarray(arrays[scale_name], np.float32)
       else:
         x, scale = quant.quantize_np(x)
       values[scale_name] = place(scale_name, scale)

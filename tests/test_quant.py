@@ -107,6 +107,14 @@ def test_every_projection_and_the_embedding_are_stored_int8():
   assert specs["layers.0.o_scale"].axes == ("embed", "heads_groups")
 
 
+def test_int8_weights_without_their_scales_are_refused_by_name():
+  _, _, arrays = quantized_pair()
+  qcfg = dataclasses.replace(tiny_config(), weight_quant="int8")
+  broken = dict(arrays, **{"layers.2.down": quant.quantize_np(arrays["layers.2.down"])[0]})
+  with pytest.raises(ValueError, match=r"test: tensor layers.2.down is int8 but layers.2.down_scale is missing"):
+    build_model(qcfg, broken, "float32", source="test")
+
+
 def test_quantized_logits_are_those_of_the_dequantized_weights():
   """The int8 model computes what float weights equal to values * scale compute."""
   model, qmodel, _ = quantized_pair()
@@ -175,6 +183,7 @@ def test_convert_quantize_writes_a_checkpoint_that_restores_quantized(tmp_path, 
   assert "int8" in str(summary)
   restored = LLM(str(tmp_path / "q"), max_len=64, max_batch=1, seed=0)  # no quantization asked: as saved
   assert restored.cfg.weight_quant == "int8"
+  assert restored.platform == qwen3_int8.platform  # chosen for int8 weights, as if asked
   for (name, a), (_, b) in zip(sorted(flat_params(restored.model).items()),
                                sorted(flat_params(qwen3_int8.model).items())):
     assert a.dtype == b.dtype, name
