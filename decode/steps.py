@@ -13,6 +13,8 @@ and reads back only the sampled ids (and logprobs when asked).
 - `fork(state, src, dst, ...)`: another sample of a prompt in slot dst, sharing src's prefill.
 - `move(state, src, dst)`: slot src's whole row into slot dst (the engine keeps rows low).
 - `logits(params, tokens [1, T])`: one uncached forward pass (`LLM.logits`).
+- `save(state, store, slot, first, ids)` / `restore(state, store, slot, ids, length, tokens)`:
+  blocks of a row into the prefix store, and a cached prefix into a row (`decode.prefix`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jaxgen.decode import prefix
 from jaxgen.decode.cache import CacheSpec, KVCache, allocate, full_capacity
 from jaxgen.decode.sampling import RowParams, SamplerState, idle_rows, sample
 from jaxgen.model import kv
@@ -57,11 +60,14 @@ def state_shardings(cfg: ModelConfig, spec: CacheSpec, mesh) -> DecodeState:
   return rules.tree_shardings(shapes, axes, mesh, "state.")
 
 
-def memory_plan(cfg: ModelConfig, dtype, spec: CacheSpec, mesh, capacity: int | None = None) -> planner.Plan:
-  """Bytes per device of the weights and this engine's state on `mesh` (nothing allocated)."""
+def memory_plan(cfg: ModelConfig, dtype, spec: CacheSpec, mesh, capacity: int | None = None,
+                store: prefix.StoreSpec | None = None) -> planner.Plan:
+  """Bytes per device of the weights and this engine's state on `mesh` (nothing allocated);
+  `store`: the prefix store, if any."""
   shapes, axes = state_axes(cfg, spec)
   return planner.plan(cfg, dtype, mesh, (shapes.cache, axes.cache), (shapes.sampler, axes.sampler),
-                      slots=spec.slots, max_len=spec.max_len, capacity=capacity)
+                      slots=spec.slots, max_len=spec.max_len, capacity=capacity,
+                      prefix_store=None if store is None else (store.shapes(cfg), store.axes(cfg)))
 
 
 def _put_rows(tree, idx, rows):
@@ -146,6 +152,22 @@ def move(state: DecodeState, src, dst) -> DecodeState:
   return jax.tree.map(lambda a: a.at[dst].set(a[src]), state)
 
 
+def save_prefix(state: DecodeState, store, slot, first, ids):
+  """Blocks of slot `slot` from position `first` into store blocks `ids` (`prefix.save`) -> store."""
+  return prefix.save(state.cache, store, slot, first, ids)
+
+
+def restore_prefix(state: DecodeState, store, slot, ids, length, tokens) -> DecodeState:
+  """Slot `slot` set to hold a cached prefix of `length` tokens (`prefix.restore`); its prompt
+  tokens so far (`tokens` [M]: the first `length` count) are marked seen for the penalties."""
+  cache = prefix.restore(state.cache, store, slot, ids, length)
+  v = state.sampler.seen_prompt.shape[1]
+  t = jnp.where(jnp.arange(tokens.shape[0]) < length, tokens, v)
+  seen = jnp.zeros((v,), jnp.bool_).at[t].set(True, mode="drop")
+  s = state.sampler
+  return DecodeState(cache, s.replace(seen_prompt=s.seen_prompt.at[slot].set(seen)))
+
+
 def uncached_logits(graphdef, params, tokens, *, platform: Platform):
   """tokens [B, T] -> float32 logits [B, T, V], every position attending to those before it."""
   model = nnx.merge(graphdef, params)
@@ -157,7 +179,8 @@ def uncached_logits(graphdef, params, tokens, *, platform: Platform):
 class Programs:
   """The jitted programs for one model graph and platform, the state argument donated.
 
-  `shardings` (optional): dict with 'params' and 'state' sharding trees; when given, every program
+  `shardings` (optional): dict with 'params', 'state' (and with a prefix store, 'store') sharding
+  trees; when given, every program
   declares them as in/out shardings so the compiled code keeps weights and cache where they are.
   The small host inputs and the sampled ids are declared replicated: every process of a
   multi-host run passes the same values and can read the whole result.
@@ -180,6 +203,14 @@ class Programs:
     if shardings is not None:
       logits_kw = dict(in_shardings=(shardings["params"], self._replicated()), out_shardings=self._replicated())
     self.logits = jax.jit(functools.partial(uncached_logits, graphdef, platform=platform), **logits_kw)
+    if shardings is None:
+      self.save = jax.jit(save_prefix, donate_argnums=(1,))
+      self.restore = jax.jit(restore_prefix, donate_argnums=(0,))
+    else:
+      ss, st, rep = shardings["state"], shardings.get("store"), self._replicated()
+      self.save = jax.jit(save_prefix, donate_argnums=(1,), in_shardings=(ss, st, rep, rep, rep), out_shardings=st)
+      self.restore = jax.jit(restore_prefix, donate_argnums=(0,), in_shardings=(ss, st) + (rep,) * 4,
+                             out_shardings=ss)
 
   def _replicated(self):
     mesh = jax.tree.leaves(self.shardings["state"])[0].mesh
@@ -200,6 +231,18 @@ class Programs:
 
   def prefill(self, params, state, tokens, counts, slots, row_params, want_logprobs, *, fresh: bool):
     return self._prefill[fresh](params, state, tokens, counts, slots, row_params, want_logprobs)
+
+
+def store_shardings(cfg: ModelConfig, spec: prefix.StoreSpec, mesh):
+  """The prefix store's NamedShardings, from the rules table."""
+  return rules.tree_shardings(spec.shapes(cfg), spec.axes(cfg), mesh, "store.")
+
+
+def place_store(cfg: ModelConfig, spec: prefix.StoreSpec, shardings=None):
+  """An empty prefix store (sharded as the cache's kv heads are, when shardings are given)."""
+  if shardings is None:
+    return prefix.allocate(cfg, spec)
+  return jax.jit(functools.partial(prefix.allocate, cfg, spec), out_shardings=shardings)()
 
 
 def place_state(cfg: ModelConfig, spec: CacheSpec, shardings: DecodeState | None = None) -> DecodeState:

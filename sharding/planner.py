@@ -32,23 +32,30 @@ class Plan:
   working_set: int
   capacity: int | None = None
   notes: tuple[str, ...] = ()
+  prefix_store: int = 0
 
   @property
   def total(self) -> int:
-    return self.weights + self.kv_cache + self.sampler + self.working_set
+    return self.weights + self.kv_cache + self.sampler + self.working_set + self.prefix_store
+
+  @property
+  def free(self) -> int | None:
+    """Device bytes the plan leaves unused (None where the device does not say)."""
+    return None if self.capacity is None else self.capacity - self.total
 
   def check(self) -> "Plan":
     """Raises ValueError when the plan exceeds the device memory; returns self otherwise."""
     if self.capacity is not None and self.total > self.capacity:
       raise ValueError(
           f"the model needs {_fmt(self.total)} per device on mesh {_mesh_str(self.mesh)} but a device has "
-          f"{_fmt(self.capacity)} (weights {_fmt(self.weights)}, KV cache {_fmt(self.kv_cache)}, sampler "
-          f"{_fmt(self.sampler)}, working set ~{_fmt(self.working_set)}); split the weights over a larger model "
-          "axis, the cache over a larger data axis, or lower max_batch / max_len, or use a 16-bit dtype")
+          f"{_fmt(self.capacity)} (weights {_fmt(self.weights)}, KV cache {_fmt(self.kv_cache)}, prefix store "
+          f"{_fmt(self.prefix_store)}, sampler {_fmt(self.sampler)}, working set ~{_fmt(self.working_set)}); split the weights over a larger model "
+          "axis, the cache over a larger data axis, or lower max_batch / max_len / prefix_cache_tokens, or use a 16-bit dtype")
     return self
 
   def __str__(self) -> str:
-    rows = [("weights", self.weights), ("KV cache", self.kv_cache), ("sampler state", self.sampler),
+    rows = [("weights", self.weights), ("KV cache", self.kv_cache), ("prefix store", self.prefix_store),
+            ("sampler state", self.sampler),
             ("working set (est.)", self.working_set), ("total", self.total)]
     if self.capacity is not None:
       rows.append(("device memory", self.capacity))
@@ -62,10 +69,11 @@ class Plan:
 
 
 def plan(cfg, dtype, mesh: MeshConfig | Mesh, kv_cache, sampler, *, slots: int, max_len: int,
-         capacity: int | None = None) -> Plan:
+         capacity: int | None = None, prefix_store=None) -> Plan:
   """The plan for `cfg` weights in `dtype` and the given state on `mesh`.
 
-  kv_cache, sampler: (tree of ShapeDtypeStructs, the same tree of logical-axis tuples) each.
+  kv_cache, sampler, prefix_store (optional): (tree of ShapeDtypeStructs, the same tree of
+  logical-axis tuples) each.
   slots, max_len: the cache's rows and tokens per row (for the working-set estimate).
   `capacity` (bytes per device) defaults to what the first device reports (TPU/GPU; CPU reports
   nothing, and then `check()` only refuses what cannot divide). Raises ValueError for a layout
@@ -83,7 +91,7 @@ def plan(cfg, dtype, mesh: MeshConfig | Mesh, kv_cache, sampler, *, slots: int, 
   sizes = dict(mesh.shape)
   return Plan(sizes, weights, state_bytes(kv_cache, "cache."), state_bytes(sampler, "sampler."),
               working_set(cfg, dtype, slots, max_len, sizes), _capacity(mesh) if capacity is None else capacity,
-              _notes(cfg, sizes))
+              _notes(cfg, sizes), 0 if prefix_store is None else state_bytes(prefix_store, "store."))
 
 
 def working_set(cfg, dtype, slots: int, max_len: int, sizes: dict[str, int], prefill_chunk: int = 512) -> int:

@@ -15,7 +15,9 @@ the decode state's axes); `RULES` says which mesh axis each logical axis is spli
   cache_batch      -> data   slots (rows) split across `data`; a multi-query cache is thus split
                              by batch only (Pope et al., "Efficiently Scaling Transformer Inference")
   embed, head_dim,
-  seq, cache_seq   -> -      replicated (so is a dimension with no logical name)
+  seq, cache_seq,
+  prefix_blocks    -> -      replicated (so is a dimension with no logical name); the prefix
+                             store is split like the cache's kv heads, its blocks kept whole
 
 Divisibility is decided when shardings are built: a dimension that its mesh axis does not divide
 is a ValueError naming the array, the logical axis, the sizes and the sizes that would work.
@@ -45,6 +47,7 @@ RULES: dict[str, str | None] = {
     "head_dim": None,
     "seq": None,
     "cache_seq": None,
+    "prefix_blocks": None,  # the prefix store's blocks: any slot may restore any block
     # int8 block scales (`model.quant`): the input axis of a weight in blocks of 32
     "heads_groups": "model",
     "mlp_groups": "model",
