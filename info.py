@@ -33,7 +33,7 @@ def gather(dtype: str = "float32", max_batch: int = 8) -> dict:
       cpu_kernels=None if p.cpu_kernels is None else dict(available=p.cpu_kernels.available,
                                                           reason=p.cpu_kernels.reason),
       activation_dtype=p.activation_dtype or dtype, cache_dtype=p.cache_dtype, prefill_chunk=p.prefill_chunk,
-      programs=dict(max_batch=max_batch, count=program_count(max_batch, p.prefill_chunk)),
+      programs=dict(max_batch=max_batch, count=program_count(max_batch, p.prefill_chunk, prefix_caching=True)),
       compilation_cache_dir=cache)
 
 
@@ -55,6 +55,6 @@ def run(a) -> int:
     print(f"  CPU kernels {state}: {report['cpu_kernels']['reason']}")
   progs = report["programs"]
   print(f"warm-up compiles {progs['count']} programs at max_batch={progs['max_batch']} "
-        "(prefill per prompt bucket, decode per row bucket, fork, move, logits)")
+        "(prefill per prompt bucket, decode per row bucket, fork, move, logits, prefix save and restore)")
   print(f"compilation cache: {report['compilation_cache_dir']}")
   return 0

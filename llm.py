@@ -14,6 +14,7 @@ import numpy as np
 from flax import nnx
 from jaxgen.checkpoints import source
 from jaxgen.checkpoints.chat import chat_format, conversations
+from jaxgen.decode import prefix
 from jaxgen.decode.buckets import bucket, powers_of_two
 from jaxgen.decode.cache import CacheSpec
 from jaxgen.decode.engine import MIN_PROMPT_BUCKET, Engine
@@ -49,13 +50,18 @@ class LLM:
   on the device with a float32 scale per block of 32 inputs (`jaxgen.model.quant`; a GGUF's Q8_0
   tensors load as they are); activations stay in the compute dtype. cache_dtype="int8": the KV
   cache int8 with a float32 scale per block of 16 of each key and value vector (`model.kv`).
+  enable_prefix_caching: reuse the KV cache of prompt prefixes seen before (vLLM's automatic
+  prefix caching, `jaxgen.decode.prefix`); prefix_cache_tokens: its budget in tokens (default:
+  half the device memory left free, or as many bytes as the KV cache where a device does not
+  report its memory). `RequestOutput.num_cached_tokens` says what a request reused.
   """
 
   def __init__(self, model: str | None = None, *, dtype: str = "float32", max_len: int = 2048,
                max_batch: int = 8, prefill_chunk: int | None = None, cache_dtype: str | None = None,
                compilation_cache_dir: str | None = None, mesh: MeshConfig | jax.sharding.Mesh | None = None,
                attention_impl: str = "auto", matmul_impl: str = "auto", seed: int | None = None,
-               quantization: str | None = None):
+               quantization: str | None = None, enable_prefix_caching: bool = True,
+               prefix_cache_tokens: int | None = None):
     quant.check(quantization)
     if compilation_cache_dir:
       jax.config.update("jax_compilation_cache_dir", compilation_cache_dir)
@@ -76,13 +82,22 @@ class LLM:
     self.plan, shardings = None, None
     if self.mesh is not None:
       self.plan = memory_plan(self.cfg, dtype, spec, self.mesh).check()
+      if enable_prefix_caching:  # the store's budget comes from the plan, and is planned with it
+        if prefix_cache_tokens is None:
+          prefix_cache_tokens = prefix.default_tokens(self.cfg, spec.dtype, spec.total_bytes(self.cfg),
+                                                      self.plan.free)
+        store = prefix.spec_for(self.cfg, spec.dtype, prefix_cache_tokens)
+        self.plan = memory_plan(self.cfg, dtype, spec, self.mesh, store=store).check()
       shardings = {"params": rules.param_tree(nnx.state(self.model), rules.param_shardings(self.cfg, dtype, self.mesh)),
                    "state": state_shardings(self.cfg, spec, self.mesh)}
       # Requests without a seed draw one on the host: every process must draw the same.
       seed = distributed.same_seed(seed if seed is not None else np.random.SeedSequence().entropy % 2**63)
     self.load_s = time.perf_counter() - t0
     self.engine = Engine(self.model, self.tokenizer, max_batch=max_batch, max_len=self.max_len,
-                         platform=self.platform, shardings=shardings, seed=seed)
+                         platform=self.platform, shardings=shardings, seed=seed,
+                         enable_prefix_caching=enable_prefix_caching, prefix_cache_tokens=prefix_cache_tokens)
+    if self.mesh is not None and self.engine.store_spec is None and self.plan.prefix_store:
+      self.plan = memory_plan(self.cfg, dtype, spec, self.mesh).check()  # the engine keeps no store
     self.logits_buckets = powers_of_two(self.cfg.max_context, MIN_PROMPT_BUCKET)
 
   # ------------------------------------------------------------------------------------- scoring
@@ -160,6 +175,10 @@ class LLM:
     many = params if isinstance(params, (list, tuple)) else [params or SamplingParams()]
     many = [dataclasses.replace(p, stop_token_ids=sorted(set(p.stop_token_ids) | fmt.stop_ids)) for p in many]
     return self.generate(prompts, many if isinstance(params, (list, tuple)) else many[0], use_tqdm=use_tqdm)
+
+  def reset_prefix_cache(self) -> bool:
+    """Forgets every cached prompt prefix; False when prefix caching is off."""
+    return self.engine.reset_prefix_cache()
 
   def warmup(self) -> float:
     """Compiles every program serving can need (`Engine.warmup`); returns seconds."""

@@ -15,6 +15,10 @@ Policy of one `step()`:
    outputs while the device works on this one (dispatch before read). A row that finished in
    step k still computes in step k+1; that token is discarded.
 Finished rows free their slot at once; the next step can admit into it.
+
+Prefix caching (`decode.prefix`, on by default): on admission a prompt's longest cached run of
+blocks is copied into its row and only the rest is prefilled; each prompt chunk's completed
+blocks, and a finished request's generated ones, are saved to the store.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from typing import Iterable, Sequence
 import jax
 import numpy as np
 from flax import nnx
-from jaxgen.decode import compiles
+from jaxgen.decode import compiles, prefix
 from jaxgen.decode.buckets import bucket, powers_of_two
 from jaxgen.decode.cache import CacheSpec
 from jaxgen.decode.outputs import (
@@ -39,21 +43,23 @@ from jaxgen.decode.outputs import (
   RequestOutput,
 )
 from jaxgen.decode.params import SamplingParams, row_params, token_ids
-from jaxgen.decode.steps import Programs, place_state
+from jaxgen.decode.prefix import BLOCK
+from jaxgen.decode.steps import Programs, place_state, place_store, store_shardings
 from jaxgen.decode.text import IncrementalDetokenizer, find_stop, holdback
+from jaxgen.model.config import LOCAL
 from jaxgen.model.platform import Platform, resolve
 
 _SAMPLE_SEED_STRIDE = 0x9E3779B97F4A7C15  # sample i of a request uses seed + i * stride (mod 2**64)
 MIN_PROMPT_BUCKET = 16
 
 
-def program_count(max_batch: int, prefill_chunk: int, data_parallel: int = 1) -> int:
+def program_count(max_batch: int, prefill_chunk: int, data_parallel: int = 1, prefix_caching: bool = False) -> int:
   """Programs an engine compiles in `warmup()`: prefill (fresh and continued) per prompt bucket,
-  decode per row bucket, fork, move, and the uncached forward of the smallest `LLM.logits` bucket.
-  Logarithmic in max_batch and the chunk."""
+  decode per row bucket, fork, move, the uncached forward of the smallest `LLM.logits` bucket,
+  and with prefix caching its save and restore. Logarithmic in max_batch and the chunk."""
   prompt = len(powers_of_two(prefill_chunk, min(MIN_PROMPT_BUCKET, prefill_chunk)))
   rows = len(powers_of_two(max_batch)) if data_parallel == 1 else 1
-  return 2 * prompt + rows + 3
+  return 2 * prompt + rows + 3 + (2 if prefix_caching else 0)
 
 
 @dataclasses.dataclass
@@ -89,6 +95,9 @@ class _Request:
   metrics: RequestMetrics
   seqs: list[_Seq] = dataclasses.field(default_factory=list)
   prefilled: int = 0  # prompt tokens already in the cache
+  cached: int | None = None  # prompt tokens restored from the prefix store (None: caching off)
+  hashes: list[bytes] = dataclasses.field(default_factory=list)  # chained hashes of full prompt blocks
+  saved: int = 0  # leading blocks of the prompt known to be in the prefix store
 
   @property
   def finished(self) -> bool:
@@ -96,7 +105,7 @@ class _Request:
 
   def output(self) -> RequestOutput:
     return RequestOutput(self.id, self.prompt, self.prompt_ids, [s.out for s in self.seqs], self.metrics,
-                         finished=self.finished)
+                         finished=self.finished, num_cached_tokens=self.cached)
 
 
 class Engine:
@@ -107,11 +116,16 @@ class Engine:
 
   platform: how the programs run (default: `platform.resolve` for the model's dtype).
   seed: seeds the host RNG that draws a seed for requests without one (None: from the OS).
+  enable_prefix_caching: reuse the cache of prompt prefixes seen before (`decode.prefix`); a model
+  whose sliding window is shorter than a block caches nothing (`prefix_note` says why).
+  prefix_cache_tokens: the store's budget in tokens (default: half the free device memory, or as
+  many bytes as the KV cache where the device does not report its memory).
   """
 
   def __init__(self, model, tokenizer, *, max_batch: int = 8, max_len: int = 2048, prefill_chunk: int | None = None,
                cache_dtype: str | None = None, platform: Platform | None = None, shardings=None,
-               prefill_token_budget: int | None = None, seed: int | None = None):
+               prefill_token_budget: int | None = None, seed: int | None = None,
+               enable_prefix_caching: bool = True, prefix_cache_tokens: int | None = None):
     cfg = model.cfg
     if max_len > cfg.max_context:
       raise ValueError(f"max_len={max_len} exceeds the model's context length {cfg.max_context}")
@@ -119,19 +133,48 @@ class Engine:
       raise ValueError(f"max_len={max_len} must be >= 2")
     if max_batch < 1:
       raise ValueError(f"max_batch={max_batch} must be >= 1")
+    if prefix_cache_tokens is not None and prefix_cache_tokens < 0:
+      raise ValueError(f"prefix_cache_tokens={prefix_cache_tokens} must be >= 0")
     self.cfg, self.tokenizer = cfg, tokenizer
     self.graphdef, self.params = nnx.split(model)
     self.platform = platform or resolve(str(model.dtype), cache_dtype=cache_dtype, prefill_chunk=prefill_chunk)
     self.spec = CacheSpec(slots=max_batch, max_len=max_len, dtype=cache_dtype or self.platform.cache_dtype)
     self.max_len = max_len
     self.chunk = min(prefill_chunk or self.platform.prefill_chunk, max_len)
+    self.prefix_note = None if enable_prefix_caching else "off (enable_prefix_caching=False)"
+    ring = min((self.spec.layer_len(cfg, k) for k in cfg.layer_kinds if k == LOCAL), default=None)
+    if self.prefix_note is None and ring is not None and ring < BLOCK:
+      self.prefix_note = f"off: the sliding window of {ring} tokens is shorter than a block of {BLOCK}"
+    if self.prefix_note is None:
+      # Blocks are saved from the row after each chunk, so a chunk must fit the smallest ring and
+      # start on a block boundary.
+      limit = self.chunk if ring is None else min(self.chunk, ring)
+      self.chunk = limit - limit % BLOCK if limit >= BLOCK else limit
+    self.ring = ring
     self.prompt_buckets = powers_of_two(self.chunk, min(MIN_PROMPT_BUCKET, self.chunk))
     self.data_parallel = 1 if shardings is None else jax.tree.leaves(shardings["state"])[0].mesh.shape.get("data", 1)
     # Slots split over a data axis: a prefix of rows would sit on a few devices, so steps cover all.
     self.row_buckets = powers_of_two(max_batch) if self.data_parallel == 1 else (max_batch,)
     self.prefill_token_budget = prefill_token_budget or self.chunk
-    self.programs = Programs(self.graphdef, cfg, self.spec, self.platform, shardings)
     self.state = place_state(cfg, self.spec, None if shardings is None else shardings["state"])
+    self.store_spec, self.store, self.index = None, None, None
+    if self.prefix_note is None:
+      if prefix_cache_tokens is None:
+        free = _free_device_bytes() if shardings is None else None
+        prefix_cache_tokens = prefix.default_tokens(cfg, self.spec.dtype, self.spec.total_bytes(cfg), free)
+      store_spec = prefix.spec_for(cfg, self.spec.dtype, prefix_cache_tokens)
+      if store_spec.usable < 1:
+        self.prefix_note = (f"off: prefix_cache_tokens={prefix_cache_tokens} buys no block (a block is {BLOCK} "
+                            "tokens, and one more is scratch)")
+      else:
+        self.store_spec, self.index = store_spec, prefix.PrefixIndex(store_spec.usable)
+        if shardings is not None:
+          mesh = jax.tree.leaves(shardings["state"])[0].mesh
+          shardings = dict(shardings, store=store_shardings(cfg, store_spec, mesh))
+        self.store = place_store(cfg, store_spec, None if shardings is None else shardings["store"])
+    self._restore_blocks = -(-max_len // BLOCK)
+    self._save_blocks = max(self.chunk // BLOCK, 1)
+    self.programs = Programs(self.graphdef, cfg, self.spec, self.platform, shardings)
     self.slots: list[_Seq | None] = [None] * max_batch
     self.waiting: collections.deque[_Request] = collections.deque()
     self.requests: dict[str, _Request] = {}
@@ -146,7 +189,7 @@ class Engine:
   @property
   def num_programs(self) -> int:
     """Programs `warmup()` compiles (see `program_count`)."""
-    return program_count(len(self.slots), self.chunk, self.data_parallel)
+    return program_count(len(self.slots), self.chunk, self.data_parallel, self.index is not None)
 
   # ----------------------------------------------------------------------------------- requests
   def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
@@ -195,6 +238,13 @@ class Engine:
     if req in self.waiting:
       self.waiting.remove(req)
     self._aborted.append(req)
+
+  def reset_prefix_cache(self) -> bool:
+    """Forgets every cached prefix (as vLLM's); False when prefix caching is off."""
+    if self.index is None:
+      return False
+    self.index = prefix.PrefixIndex(self.store_spec.usable)
+    return True
 
   def has_unfinished(self) -> bool:
     return bool(self.waiting) or any(s is not None for s in self.slots) or bool(self._pending) or bool(self._aborted)
@@ -246,6 +296,7 @@ class Engine:
         for seq, slot in zip(req.seqs, free):
           seq.slot = slot
           self.slots[slot] = seq
+        self._restore(req)
       budget -= self._prefill_chunk(req)
 
   def _compact(self) -> None:
@@ -274,6 +325,9 @@ class Engine:
     self.state, out = self.programs.prefill(self.params, self.state, tokens, np.array([n], np.int32),
                                             np.array([seq0.slot], np.int32), row, want, fresh=start == 0)
     req.prefilled += n
+    if self.index is not None:
+      floor = 0 if self.ring is None else req.prefilled - self.ring
+      req.saved = self._save(seq0.slot, req.hashes, req.saved, req.prefilled // BLOCK, floor)
     final = req.prefilled == len(req.prompt_ids)
     if final:
       for seq in req.seqs[1:]:
@@ -281,6 +335,73 @@ class Engine:
                                         self._row_params(req, seq), np.int32(req.prompt_ids[-1]))
     self._pending.append(("prefill", out, [(0, seq0)] if final else [], t0, compiles.seconds() - c0, n))
     return n
+
+  # ------------------------------------------------------------------------------ prefix caching
+  def _restore(self, req: _Request) -> None:
+    """Copies the longest cached run of the prompt's blocks into its first row (not its last token)."""
+    if self.index is None:
+      return
+    ids = req.prompt_ids
+    req.hashes = prefix.chain(ids, len(ids) // BLOCK)
+    hit = self.index.lookup(req.hashes[:(len(ids) - 1) // BLOCK])
+    req.cached, req.saved = len(hit) * BLOCK, len(hit)
+    self.stats["prefix_query_tokens"] += len(ids)
+    self.stats["prefix_queries"] += 1
+    if not hit:
+      return
+    table = np.full(self._restore_blocks, self.store_spec.usable, np.int32)
+    table[:len(hit)] = hit
+    tokens = np.zeros(self._restore_blocks * BLOCK, np.int32)
+    tokens[:req.cached] = ids[:req.cached]
+    self.state = self.programs.restore(self.state, self.store, np.int32(req.seqs[0].slot), table,
+                                       np.int32(req.cached), tokens)
+    req.prefilled = req.cached
+    self.stats["prefix_hit_tokens"] += req.cached
+    self.stats["prefix_hits"] += 1
+
+  def _save(self, slot: int, hashes: list[bytes], lo: int, hi: int, floor: int) -> int:
+    """Saves blocks lo..hi-1 of the chain `hashes` from cache row `slot` (none starting before
+    position `floor`, which the rings no longer hold). Blocks 0..lo-1 must be in the store (else the
+    new ones could never be reached). Returns how many leading blocks are now in the store."""
+    if any(h not in self.index for h in hashes[:lo]):
+      return lo
+    keep = set(hashes[:hi])
+    self.index.touch(hashes[:lo])
+    scratch = self.store_spec.usable
+    ids, done = [], lo
+    for i in range(lo, hi):
+      if hashes[i] in self.index:
+        ids.append(scratch)
+      elif i * BLOCK < floor:
+        break
+      else:
+        block = self.index.add(hashes[i], keep)
+        if block is None:
+          break
+        ids.append(block)
+        self.stats["prefix_saved_blocks"] += 1
+      done = i + 1
+    self.index.touch(hashes[:done])
+    m = self._save_blocks
+    for g in range(0, len(ids), m):
+      part = ids[g:g + m]
+      if all(b == scratch for b in part):
+        continue
+      table = np.full(m, scratch, np.int32)
+      table[:len(part)] = part
+      self.store = self.programs.save(self.state, self.store, np.int32(slot), np.int32((lo + g) * BLOCK), table)
+    return done
+
+  def _save_generated(self, seq: _Seq) -> None:
+    """Saves the blocks a finished sample completed beyond its prompt, as far as the rings hold them."""
+    req = seq.req
+    ids = req.prompt_ids + seq.out.token_ids
+    # The row surely holds all but the last token; it may hold up to two more (the steps that were
+    # in flight when the finish was read), which a ring writes over its oldest entries.
+    written = len(ids) - 1
+    floor = 0 if self.ring is None else written + 2 - self.ring
+    hashes = prefix.chain(ids, written // BLOCK)
+    self._save(seq.slot, hashes, req.saved, len(hashes), floor)
 
   def _row_params(self, req: _Request, seq: _Seq):
     return row_params(req.params, prompt_len=len(req.prompt_ids), stop_ids=req.stop_ids, seed=seq.seed)
@@ -358,6 +479,8 @@ class Engine:
 
   def _finish(self, seq: _Seq, reason: str, stop_reason) -> None:
     seq.out.finish_reason, seq.out.stop_reason = reason, stop_reason
+    if self.index is not None and reason != "abort" and seq.running:
+      self._save_generated(seq)
     if seq.slot is not None:
       self.slots[seq.slot] = None
       seq.slot = None
@@ -371,8 +494,8 @@ class Engine:
 
     That is `num_programs` programs: prefill fresh and continued for each of the prompt buckets
     (powers of two from 16 to the largest chunk), decode for each row bucket (powers of two up to
-    max_batch), fork, move, and the uncached forward of `LLM.logits`' smallest bucket (its larger
-    buckets compile on first use). The count grows with log2 of max_batch and of the chunk, never
+    max_batch), fork, move, the uncached forward of `LLM.logits`' smallest bucket (its larger
+    buckets compile on first use), and with prefix caching its save and restore. The count grows with log2 of max_batch and of the chunk, never
     with max_batch itself. They run on slot 0 with a throwaway request state.
     """
     t0 = time.perf_counter()
@@ -388,6 +511,12 @@ class Engine:
     self.state = self.programs.fork(self.state, np.int32(0), np.int32(len(self.slots) - 1), row, np.int32(0))
     self.state = self.programs.move(self.state, np.int32(len(self.slots) - 1), np.int32(0))
     self.programs.logits(self.params, np.zeros((1, MIN_PROMPT_BUCKET), np.int32))
+    if self.index is not None:
+      scratch = self.store_spec.usable
+      self.store = self.programs.save(self.state, self.store, np.int32(0), np.int32(0),
+                                      np.full(self._save_blocks, scratch, np.int32))
+      self.state = self.programs.restore(self.state, self.store, np.int32(0), np.full(self._restore_blocks, scratch,
+                                         np.int32), np.int32(0), np.zeros(self._restore_blocks * BLOCK, np.int32))
     jax.block_until_ready(self.state)
     self._last_ready = time.perf_counter()
     return time.perf_counter() - t0
@@ -408,4 +537,31 @@ class Engine:
         prefill_s=st["prefill_s"], decode_s=st["decode_s"], compile_s=st["compile_s"],
         prefill_tok_s=st["prefill_tokens"] / st["prefill_s"] if st["prefill_s"] else None,
         decode_tok_s=st["decode_tokens"] / st["decode_s"] if st["decode_s"] else None,
-        decode_steps=st["decode_steps"], row_moves=st["moves"], decode_rows=dict(sorted(self.decode_buckets.items())))
+        decode_steps=st["decode_steps"], row_moves=st["moves"], decode_rows=dict(sorted(self.decode_buckets.items())),
+        **self._prefix_metrics())
+
+  def _prefix_metrics(self) -> dict:
+    """vLLM's prefix-cache figures: hit rate = prompt tokens reused / prompt tokens looked up."""
+    st, on = self.stats, self.index is not None
+    queried = st["prefix_query_tokens"]
+    return dict(
+        prefix_cache=on, prefix_cache_note=self.prefix_note,
+        prefix_cache_blocks=self.store_spec.usable if on else 0, prefix_cache_block_size=BLOCK,
+        prefix_cache_blocks_used=len(self.index) if on else 0,
+        prefix_cache_bytes=self.store_spec.total_bytes(self.cfg) if on else 0,
+        prefix_cache_queries=st["prefix_queries"], prefix_cache_hits=st["prefix_hits"],
+        prefix_cache_query_tokens=queried, prefix_cache_hit_tokens=st["prefix_hit_tokens"],
+        prefix_cache_hit_rate=st["prefix_hit_tokens"] / queried if queried else None,
+        prefix_cache_saved_blocks=st["prefix_saved_blocks"],
+        prefix_cache_evictions=self.index.evictions if on else 0)
+
+
+def _free_device_bytes() -> int | None:
+  """Bytes the first local device has free (None where it does not say, or in a multi-process
+  run, whose processes must all decide alike)."""
+  if jax.process_count() > 1:
+    return None
+  stats = jax.local_devices()[0].memory_stats() or {}
+  if "bytes_limit" not in stats:
+    return None
+  return stats["bytes_limit"] - stats.get("bytes_in_use", 0)

@@ -92,6 +92,7 @@ class RequestOutput:
   outputs: list[CompletionOutput]
   metrics: RequestMetrics
   finished: bool = False
+  num_cached_tokens: int | None = None  # prompt tokens reused from the prefix cache (None: caching off)
 
   # Shortcuts to the first sample, for the common n=1 case.
   @property

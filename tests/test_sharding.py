@@ -73,6 +73,16 @@ def test_planner_matches_allocated_bytes(tiny, mesh):
   assert "weights" in got["plan_text"] and "KV cache" in got["plan_text"]
 
 
+def test_prefix_cache_on_a_mesh_hits_and_changes_no_token(tiny):
+  got = tiny["prefix"]
+  assert got["tokens_on"] == got["tokens_off"]
+  assert got["hit_tokens"] == [0, 64, 128, 192]  # 70 shared tokens: 4 blocks per later prompt
+  # Split like the cache's kv heads (8 over model=4); blocks whole on every device.
+  assert got["store_spec"] == [None, "model", None, None] and got["cache_spec"][1] == "model"
+  assert got["plan_store"] == got["allocated_store"] > 0
+  assert got["allocated_store"] * 4 <= got["budget_bytes"]  # each device holds a quarter of the budget
+
+
 def test_int8_weights_and_cache_sharded_equal_one_device(tiny):
   got = tiny["int8"]
   assert got["tokens"] == got["reference_tokens"]
@@ -379,6 +389,28 @@ def worker_tiny() -> dict:
       "kv_spec": list(_spec(llm.model.layers[0].kv[...])), "q_spec": list(_spec(llm.model.layers[0].q[...])),
       "cache_spec": list(_spec(llm.engine.state.cache.layers[0].k)),
       "logits_max_abs_diff": float(np.max(np.abs(llm.logits(SCORED) - ref.logits(SCORED)))),
+  }
+
+  # Prefix caching on a mesh: prompts sharing 70 tokens, one after another, hit; tokens equal one
+  # device without the cache; the store's kv heads are split like the cache's; planned = allocated.
+  import dataclasses
+
+  _use_tiny_model(dataclasses.replace(_tiny_cfg(), sliding_window=32))
+  pkw = dict(max_len=128, max_batch=8, prefill_chunk=32)
+  shared = [10 + i for i in range(70)]
+  prompts = [shared + [200 + i, 300 + i, 7] for i in range(4)]
+  off = LLM(None, enable_prefix_caching=False, **pkw)
+  on = LLM(None, mesh=MeshConfig(data=2, model=4), prefix_cache_tokens=20 * 16, **pkw)
+  tokens_on, cached = [], []
+  for p in prompts:
+    tokens, _ = _greedy(on, [p])
+    tokens_on += tokens
+    cached.append(on.engine.metrics()["prefix_cache_hit_tokens"])
+  result["prefix"] = {
+      "tokens_off": _greedy(off, prompts)[0], "tokens_on": tokens_on, "hit_tokens": cached,
+      "store_spec": list(_spec(on.engine.store[0].k)), "cache_spec": list(_spec(on.engine.state.cache.layers[0].k)),
+      "plan_store": on.plan.prefix_store, "allocated_store": _device0_bytes(on.engine.store),
+      "budget_bytes": 20 * on.engine.store_spec.total_bytes(on.cfg) // on.engine.store_spec.blocks,
   }
   return result
 
