@@ -11,6 +11,11 @@ float32) are measured once. Then:
 - offline throughput: many requests through the engine (continuous batching), aggregate output
   tokens/s and its ratio to the batch-1 decode rate; HF transformers beside it when installed.
 No figure blends the phases.
+
+`--prefix` runs the prefix-caching scenarios instead, each with the cache off and on, side by side:
+a shared 1,000-token prefix with 16 different 20-token questions submitted together (TTFT of
+the first request, median TTFT of requests 2..16, wall time, prompt tokens prefilled), and a
+5-turn chat in the model's template (TTFT of each turn).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jaxgen.checkpoints.chat import chat_format
 from jaxgen.checkpoints.source import default_model_path
 from jaxgen.decode.buckets import bucket
 from jaxgen.decode.engine import Engine
@@ -198,6 +204,68 @@ def bench_throughput(llm, n_requests: int, prompt_len: int, out_len: int, slots:
               out_tok_s=generated / sec, prefill_s=m["prefill_s"], decode_s=m["decode_s"])
 
 
+def _prefix_engine(llm, slots: int, on: bool) -> Engine:
+  eng = Engine(llm.model, llm.tokenizer, max_batch=slots, max_len=llm.max_len, platform=llm.platform,
+               enable_prefix_caching=on)
+  eng.warmup()
+  return eng
+
+
+def _serve(eng: Engine, prompts, params) -> tuple[list, float]:
+  """All prompts submitted at once; (outputs in order, wall seconds)."""
+  t = time.perf_counter()
+  ids = [eng.add_request(p, params) for p in prompts]
+  done = {}
+  while eng.has_unfinished():
+    for out in eng.step():
+      if out.finished:
+        done[out.request_id] = out
+  return [done[i] for i in ids], time.perf_counter() - t
+
+
+def bench_prefix(llm, prefix_len: int, questions: int, question_len: int, out_len: int) -> list[dict]:
+  """A shared prefix + different questions, submitted together, with the cache off and on."""
+  rng = np.random.default_rng(2)
+  shared = prompt_ids(rng, prefix_len, llm.cfg.vocab_size).tolist()
+  prompts = [shared + prompt_ids(rng, question_len, llm.cfg.vocab_size).tolist() for _ in range(questions)]
+  rows = []
+  for on in (False, True):
+    eng = _prefix_engine(llm, questions, on)
+    outs, wall = _serve(eng, prompts, _bench_params(out_len))
+    ttft = [o.metrics.ttft_s for o in outs]
+    m = eng.metrics()
+    rows.append(dict(prefix_caching=on, requests=questions, prefix_len=prefix_len, question_len=question_len,
+                     out_len=out_len, ttft_first_s=ttft[0], ttft_rest_median_s=float(np.median(ttft[1:])),
+                     wall_s=wall, prefill_tokens=m["prefill_tokens"], prefill_s=m["prefill_s"], decode_s=m["decode_s"],
+                     cached_tokens=sum(o.num_cached_tokens or 0 for o in outs)))
+  rows[1]["ttft_rest_speedup"] = rows[0]["ttft_rest_median_s"] / rows[1]["ttft_rest_median_s"]
+  rows[1]["wall_speedup"] = rows[0]["wall_s"] / rows[1]["wall_s"]
+  return rows
+
+
+CHAT_TURNS = ["Tell me about the river Danube in two sentences.", "Which countries does it flow through?",
+              "How long is it compared with the Rhine?", "Name a city on its banks famous for music.",
+              "Summarise our conversation in one line."]
+
+
+def bench_chat(llm, out_len: int) -> list[dict]:
+  """Five chat turns in the model's own template, each prompt the whole conversation so far."""
+  fmt = chat_format(llm.tokenizer)
+  params = SamplingParams(max_tokens=out_len, temperature=0.0, stop_token_ids=sorted(fmt.stop_ids))
+  rows = []
+  for on in (False, True):
+    eng = _prefix_engine(llm, 1, on)
+    conv, turns = [], []
+    for text in CHAT_TURNS:
+      conv.append({"role": "user", "content": text})
+      (out,), _ = _serve(eng, [fmt.encode(llm.tokenizer, conv)], params)
+      conv.append({"role": "assistant", "content": out.text})
+      turns.append(dict(prompt_tokens=len(out.prompt_token_ids), cached_tokens=out.num_cached_tokens or 0,
+                        ttft_s=out.metrics.ttft_s))
+    rows.append(dict(prefix_caching=on, turns=turns, last_over_first=turns[-1]["ttft_s"] / turns[0]["ttft_s"]))
+  return rows
+
+
 def bench_hf(n_requests: int, prompt_len: int, out_len: int, batch: int, dtype: str) -> dict | None:
   """HF transformers' batched generate on the same GGUF, if the reference extra is installed."""
   try:
@@ -226,10 +294,17 @@ def run(a, make_llm) -> int:
   lengths = [int(x) for x in a.prompt_lengths.split(",")]
   batches = [int(x) for x in a.batches.split(",")]
   a.max_len = max(max(lengths) + 64, a.context + 256, 512)
+  if a.prefix:
+    a.max_len = max(a.max_len, 2048)
   llm = make_llm(a, max_batch=1)
   info = dict(device=str(jax.devices()[0].device_kind), backend=jax.default_backend(), cores=jax.device_count(),
               dtype=a.dtype, quantization=llm.cfg.weight_quant, cache_dtype=llm.platform.cache_dtype,
               weights_bytes=model_bytes(llm), model=llm.cfg.family, kernels=llm.platform.kernels)
+  if a.prefix:
+    report = dict(info=info, prefix=bench_prefix(llm, 1000, 8 if quick else 16, 20, 8 if quick else 16),
+                  chat=bench_chat(llm, 32 if quick else 64))
+    print(json.dumps(report, indent=1)) if a.json else _print_prefix(report)
+    return 0
   roof = roofline(a.dtype)
   report = dict(info=info, roofline=roof)
   report["prefill"] = bench_prefill(llm, lengths, roof)
@@ -271,6 +346,25 @@ def _print(r: dict) -> None:
       print(f"  {h['peer']} generate, batch {h['batch']}: {h['out_tok_s']:.1f} output tok/s")
 
 
+def _print_prefix(r: dict) -> None:
+  i = r["info"]
+  print(f"device: {i['device']} ({i['backend']}), weights {i['dtype']}, KV cache {i.get('cache_dtype')}")
+  p = r["prefix"][0]
+  print(f"\nshared prefix: {p['requests']} requests x ({p['prefix_len']}-token prefix + {p['question_len']}-token "
+        f"question), {p['out_len']} output tokens each, submitted together")
+  print("  prefix cache   TTFT first   TTFT 2..n (median)   wall     prompt tokens prefilled")
+  for row in r["prefix"]:
+    print(f"  {'on' if row['prefix_caching'] else 'off':<14}{row['ttft_first_s'] * 1e3:9.0f} ms"
+          f"{row['ttft_rest_median_s'] * 1e3:14.0f} ms {row['wall_s']:11.2f} s {row['prefill_tokens']:10d}")
+  on = r["prefix"][1]
+  print(f"  with the cache: median TTFT of requests 2..n {on['ttft_rest_speedup']:.1f}x lower, "
+        f"wall time {on['wall_speedup']:.2f}x lower")
+  print("\nchat, 5 turns (TTFT per turn, ms; prompt tokens / reused)")
+  for row in r["chat"]:
+    cells = "  ".join(f"{t['ttft_s'] * 1e3:6.0f} ({t['prompt_tokens']}/{t['cached_tokens']})" for t in row["turns"])
+    print(f"  cache {'on ' if row['prefix_caching'] else 'off'}  {cells}   turn 5 / turn 1: {row['last_over_first']:.2f}")
+
+
 def add_arguments(p) -> None:
   """The bench options (the model options are added by the CLI)."""
   p.add_argument("--prompt-lengths", default="128,512,1024,2048")
@@ -280,4 +374,6 @@ def add_arguments(p) -> None:
   p.add_argument("--throughput", action=argparse.BooleanOptionalAction, default=True)
   p.add_argument("--peers", action="store_true", help="also run HF transformers (needs the reference extra)")
   p.add_argument("--quick", action="store_true", help="fewer steps and a small throughput run")
+  p.add_argument("--prefix", action="store_true",
+                 help="run the prefix-caching scenarios instead (shared prefix, multi-turn chat), cache off and on")
   p.add_argument("--json", action="store_true")

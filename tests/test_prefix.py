@@ -378,6 +378,7 @@ def test_embedded_model_hits_change_no_token(llm, golden):
 
 
 @pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:the model has no chat template")
 def test_embedded_model_chat_turn_two_reuses_turn_one(llm):
   llm.reset_prefix_cache()
   params = SamplingParams(max_tokens=24, temperature=0.0)
