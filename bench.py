@@ -301,7 +301,9 @@ def run(a, make_llm) -> int:
               dtype=a.dtype, quantization=llm.cfg.weight_quant, cache_dtype=llm.platform.cache_dtype,
               weights_bytes=model_bytes(llm), model=llm.cfg.family, kernels=llm.platform.kernels)
   if a.prefix:
-    report = dict(info=info, prefix=bench_prefix(llm, 1000, 8 if quick else 16, 20, 8 if quick else 16),
+    out_len = 8 if quick else 16
+    prefix_len = min(1000, llm.max_len - 20 - out_len - 1)  # a small model's context may be shorter
+    report = dict(info=info, prefix=bench_prefix(llm, prefix_len, 8 if quick else 16, 20, out_len),
                   chat=bench_chat(llm, 32 if quick else 64))
     print(json.dumps(report, indent=1)) if a.json else _print_prefix(report)
     return 0

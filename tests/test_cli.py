@@ -69,6 +69,19 @@ def test_bench_on_a_tiny_grid(capsys):
     assert r["tok_s"] == pytest.approx(r["prompt_len"] / r["seconds"], rel=1e-6) and 0 < r["mfu"] < 1.5
 
 
+def test_bench_prefix_runs_both_scenarios_cache_off_and_on(capsys):
+  assert main(["bench", *COMMON[:2], "--compilation-cache", "", "--prefix", "--quick", "--json"]) == 0
+  r = json.loads(capsys.readouterr().out)
+  off, on = r["prefix"]
+  assert not off["prefix_caching"] and on["prefix_caching"] and off["cached_tokens"] == 0
+  # 8 requests of one prefix: all but the first reuse its full blocks, so far fewer tokens prefill.
+  assert on["cached_tokens"] >= 7 * (on["prefix_len"] // 16 * 16) and on["prefill_tokens"] < off["prefill_tokens"] / 4
+  assert on["ttft_rest_speedup"] > 0 and on["wall_speedup"] > 0
+  chat_off, chat_on = r["chat"]
+  assert [t["cached_tokens"] for t in chat_off["turns"]] == [0] * 5
+  assert all(t["cached_tokens"] > 0 for t in chat_on["turns"][1:])
+
+
 def test_quantization_and_cache_dtype_options_reach_the_engine(capsys):
   llm = LLM(str(MODEL), max_len=64, max_batch=1, seed=0, quantization="int8", cache_dtype="int8")
   want = llm.generate("The river bends", SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
