@@ -36,6 +36,9 @@ def model_args(p: argparse.ArgumentParser) -> None:
                  help="store the projection and embedding weights int8 (a float32 scale per block of 32)")
   p.add_argument("--cache-dtype", default=None, choices=CACHE_DTYPES,
                  help="KV cache dtype (default: the platform's)")
+  p.add_argument("--speculative", default=None, metavar="ngram:K",
+                 help="speculative decoding: K tokens proposed by prompt lookup and verified in one step")
+  p.add_argument("--no-prefix-caching", action="store_true", help="do not reuse the KV cache of earlier prompts")
   p.add_argument("--attention-impl", default="auto", choices=CHOICES, help="attention kernel (see `jaxgen info`)")
   p.add_argument("--matmul-impl", default="auto", choices=CHOICES, help="matmul kernel (see `jaxgen info`)")
   p.add_argument("--mesh", default=None, metavar="data=D,model=M",
@@ -70,7 +73,8 @@ def make_llm(a, max_batch: int | None = None) -> LLM:
   return LLM(a.model, dtype=a.dtype, max_len=a.max_len, max_batch=max_batch or a.max_batch, mesh=mesh,
              compilation_cache_dir=a.compilation_cache or None, attention_impl=a.attention_impl,
              matmul_impl=a.matmul_impl, prefill_chunk=getattr(a, "prefill_chunk", None),
-             quantization=a.quantization, cache_dtype=a.cache_dtype)
+             quantization=a.quantization, cache_dtype=a.cache_dtype, speculative_config=a.speculative,
+             enable_prefix_caching=not a.no_prefix_caching)
 
 
 def phase_report(out, wall_s: float) -> str:

@@ -54,6 +54,9 @@ class LLM:
   prefix caching, `jaxgen.decode.prefix`); prefix_cache_tokens: its budget in tokens (default:
   half the device memory left free, or as many bytes as the KV cache where a device does not
   report its memory). `RequestOutput.num_cached_tokens` says what a request reused.
+  speculative_config: speculative decoding, vLLM's dict: {"method": "ngram",
+  "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+  (`jaxgen.decode.speculative`); the output is token for token what it would be without.
   """
 
   def __init__(self, model: str | None = None, *, dtype: str = "float32", max_len: int = 2048,
@@ -61,7 +64,7 @@ class LLM:
                compilation_cache_dir: str | None = None, mesh: MeshConfig | jax.sharding.Mesh | None = None,
                attention_impl: str = "auto", matmul_impl: str = "auto", seed: int | None = None,
                quantization: str | None = None, enable_prefix_caching: bool = True,
-               prefix_cache_tokens: int | None = None):
+               prefix_cache_tokens: int | None = None, speculative_config=None):
     quant.check(quantization)
     if compilation_cache_dir:
       jax.config.update("jax_compilation_cache_dir", compilation_cache_dir)
@@ -95,7 +98,8 @@ class LLM:
     self.load_s = time.perf_counter() - t0
     self.engine = Engine(self.model, self.tokenizer, max_batch=max_batch, max_len=self.max_len,
                          platform=self.platform, shardings=shardings, seed=seed,
-                         enable_prefix_caching=enable_prefix_caching, prefix_cache_tokens=prefix_cache_tokens)
+                         enable_prefix_caching=enable_prefix_caching, prefix_cache_tokens=prefix_cache_tokens,
+                         speculative_config=speculative_config)
     if self.mesh is not None and self.engine.store_spec is None and self.plan.prefix_store:
       self.plan = memory_plan(self.cfg, dtype, spec, self.mesh).check()  # the engine keeps no store
     self.logits_buckets = powers_of_two(self.cfg.max_context, MIN_PROMPT_BUCKET)

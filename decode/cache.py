@@ -33,15 +33,20 @@ class KVCache:
 @dataclasses.dataclass(frozen=True)
 class CacheSpec:
   """Sizes of the cache: `slots` rows of up to `max_len` tokens, in `dtype` (float32, bfloat16,
-  float16, or int8 with float32 scales per block of 16 of each key and value vector)."""
+  float16, or int8 with float32 scales per block of 16 of each key and value vector).
+
+  `slack`: extra entries of every ring. A verify step writes the k proposed tokens before knowing
+  which are accepted; the entries of rejected ones overwrite the ring's oldest, which the next
+  query still sees unless the ring holds k more than the window (`decode.speculative`)."""
 
   slots: int
   max_len: int
   dtype: str = "float32"
+  slack: int = 0
 
   def layer_len(self, cfg: ModelConfig, kind: str) -> int:
     if kind == LOCAL:
-      return min(cfg.sliding_window, self.max_len)
+      return min(cfg.sliding_window + self.slack, self.max_len)
     return self.max_len
 
   @property

@@ -16,6 +16,10 @@ Policy of one `step()`:
    step k still computes in step k+1; that token is discarded.
 Finished rows free their slot at once; the next step can admit into it.
 
+Speculative decoding (`decode.speculative`, opt-in): results are read back before the next step
+is dispatched (proposals need the latest tokens), and a step in which some row proposes runs the
+verify program instead of decode.
+
 Prefix caching (`decode.prefix`, on by default): on admission a prompt's longest cached run of
 blocks is copied into its row and only the rest is prefilled; each prompt chunk's completed
 blocks, and a finished request's generated ones, are saved to the store.
@@ -33,7 +37,7 @@ from typing import Iterable, Sequence
 import jax
 import numpy as np
 from flax import nnx
-from jaxgen.decode import compiles, prefix
+from jaxgen.decode import compiles, prefix, speculative
 from jaxgen.decode.buckets import bucket, powers_of_two
 from jaxgen.decode.cache import CacheSpec
 from jaxgen.decode.outputs import (
@@ -53,13 +57,15 @@ _SAMPLE_SEED_STRIDE = 0x9E3779B97F4A7C15  # sample i of a request uses seed + i 
 MIN_PROMPT_BUCKET = 16
 
 
-def program_count(max_batch: int, prefill_chunk: int, data_parallel: int = 1, prefix_caching: bool = False) -> int:
+def program_count(max_batch: int, prefill_chunk: int, data_parallel: int = 1, prefix_caching: bool = False,
+                  speculative: bool = False) -> int:
   """Programs an engine compiles in `warmup()`: prefill (fresh and continued) per prompt bucket,
   decode per row bucket, fork, move, the uncached forward of the smallest `LLM.logits` bucket,
-  and with prefix caching its save and restore. Logarithmic in max_batch and the chunk."""
+  with prefix caching its save and restore, with speculation verify per row bucket. Logarithmic
+  in max_batch and the chunk."""
   prompt = len(powers_of_two(prefill_chunk, min(MIN_PROMPT_BUCKET, prefill_chunk)))
   rows = len(powers_of_two(max_batch)) if data_parallel == 1 else 1
-  return 2 * prompt + rows + 3 + (2 if prefix_caching else 0)
+  return 2 * prompt + rows * (2 if speculative else 1) + 3 + (2 if prefix_caching else 0)
 
 
 @dataclasses.dataclass
@@ -72,6 +78,7 @@ class _Seq:
   out: CompletionOutput
   detok: IncrementalDetokenizer
   slot: int | None = None
+  spec: speculative.RowSpec = dataclasses.field(default_factory=speculative.RowSpec)
   full_text: str = ""  # generated text before stop-string truncation
 
   @property
@@ -120,12 +127,15 @@ class Engine:
   whose sliding window is shorter than a block caches nothing (`prefix_note` says why).
   prefix_cache_tokens: the store's budget in tokens (default: half the free device memory, or as
   many bytes as the KV cache where the device does not report its memory).
+  speculative_config: vLLM's dict, e.g. {"method": "ngram", "num_speculative_tokens": 4} (or
+  "ngram:4"); `decode.speculative`. None: off.
   """
 
   def __init__(self, model, tokenizer, *, max_batch: int = 8, max_len: int = 2048, prefill_chunk: int | None = None,
                cache_dtype: str | None = None, platform: Platform | None = None, shardings=None,
                prefill_token_budget: int | None = None, seed: int | None = None,
-               enable_prefix_caching: bool = True, prefix_cache_tokens: int | None = None):
+               enable_prefix_caching: bool = True, prefix_cache_tokens: int | None = None,
+               speculative_config=None):
     cfg = model.cfg
     if max_len > cfg.max_context:
       raise ValueError(f"max_len={max_len} exceeds the model's context length {cfg.max_context}")
@@ -138,7 +148,9 @@ class Engine:
     self.cfg, self.tokenizer = cfg, tokenizer
     self.graphdef, self.params = nnx.split(model)
     self.platform = platform or resolve(str(model.dtype), cache_dtype=cache_dtype, prefill_chunk=prefill_chunk)
-    self.spec = CacheSpec(slots=max_batch, max_len=max_len, dtype=cache_dtype or self.platform.cache_dtype)
+    self.spec_cfg = speculative.parse(speculative_config)
+    self.spec = CacheSpec(slots=max_batch, max_len=max_len, dtype=cache_dtype or self.platform.cache_dtype,
+                          slack=self.spec_cfg.k if self.spec_cfg else 0)
     self.max_len = max_len
     self.chunk = min(prefill_chunk or self.platform.prefill_chunk, max_len)
     self.prefix_note = None if enable_prefix_caching else "off (enable_prefix_caching=False)"
@@ -189,7 +201,8 @@ class Engine:
   @property
   def num_programs(self) -> int:
     """Programs `warmup()` compiles (see `program_count`)."""
-    return program_count(len(self.slots), self.chunk, self.data_parallel, self.index is not None)
+    return program_count(len(self.slots), self.chunk, self.data_parallel, self.index is not None,
+                         self.spec_cfg is not None)
 
   # ----------------------------------------------------------------------------------- requests
   def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
@@ -252,6 +265,11 @@ class Engine:
   # ------------------------------------------------------------------------------------ the loop
   def step(self) -> list[RequestOutput]:
     """Dispatches this step's programs, then reads back the previous step's results."""
+    updated: dict[str, _Request] = {}
+    if self.spec_cfg is not None:  # proposals are made from the latest tokens: read them first
+      while self._pending:
+        for req in self._process(self._pending.popleft()):
+          updated[req.id] = req
     n_before = len(self._pending)
     self._admit()
     self._compact()
@@ -262,11 +280,17 @@ class Engine:
       for s in running:
         active[s.slot] = True
       want = np.bool_(any(s.req.params.logprobs is not None for s in running))
+      proposals = self._proposals(running, rows) if self.spec_cfg is not None else None
       c0, t0 = compiles.seconds(), time.perf_counter()
-      self.state, out = self.programs.decode(self.params, self.state, active, want)
+      if proposals is None:
+        self.state, out = self.programs.decode(self.params, self.state, active, want)
+        extra = 0
+      else:
+        self.state, out, accepted = self.programs.verify(self.params, self.state, active, *proposals, want)
+        extra = (accepted, proposals[1])
       self.decode_buckets[rows] += 1
-      self._pending.append(("decode", out, [(s.slot, s) for s in running], t0, compiles.seconds() - c0, 0))
-    updated: dict[str, _Request] = {r.id: r for r in self._aborted}
+      self._pending.append(("decode", out, [(s.slot, s) for s in running], t0, compiles.seconds() - c0, extra))
+    updated.update({r.id: r for r in self._aborted})
     self._aborted = []
     # Read back everything dispatched before this step; keep this step's in flight. When nothing
     # new was dispatched, drain so the loop always makes progress.
@@ -399,16 +423,35 @@ class Engine:
     # The row surely holds all but the last token; it may hold up to two more (the steps that were
     # in flight when the finish was read), which a ring writes over its oldest entries.
     written = len(ids) - 1
-    floor = 0 if self.ring is None else written + 2 - self.ring
+    floor = 0 if self.ring is None else written + 2 + self.spec.slack - self.ring
     hashes = prefix.chain(ids, written // BLOCK)
     self._save(seq.slot, hashes, req.saved, len(hashes), floor)
+
+  # -------------------------------------------------------------------------- speculative decoding
+  def _proposals(self, running: list[_Seq], rows: int):
+    """(proposals [rows, k], counts [rows]) for this step, or None when no row proposes."""
+    cfg = self.spec_cfg
+    props, counts = np.zeros((rows, cfg.k), np.int32), np.zeros(rows, np.int32)
+    for s in running:
+      p, out = s.req.params, s.out.token_ids
+      if (p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty or len(out) < p.min_tokens
+          or not s.spec.wants()):
+        continue  # draws after the first would not see the tokens before them in the penalties
+      held = len(s.req.prompt_ids) + len(out) - 1  # the last sampled token is fed by this step
+      room = min(cfg.k, self.max_len - held - 1, s.req.max_tokens - len(out) - 1)
+      if room < 1:
+        continue
+      history = np.asarray(s.req.prompt_ids + out, np.int32)
+      got = speculative.ngram_proposal(history, room, cfg.prompt_lookup_max, cfg.prompt_lookup_min)
+      props[s.slot, :len(got)], counts[s.slot] = got, len(got)
+    return (props, counts) if counts.any() else None
 
   def _row_params(self, req: _Request, seq: _Seq):
     return row_params(req.params, prompt_len=len(req.prompt_ids), stop_ids=req.stop_ids, seed=seq.seed)
 
   # ---------------------------------------------------------------------------- reading results
   def _process(self, entry) -> Iterable[_Request]:
-    kind, out, rows, t_dispatch, compile_s, prompt_tokens = entry
+    kind, out, rows, t_dispatch, compile_s, extra = entry
     tokens = np.asarray(out.tokens)  # blocks until this program finished
     now = time.perf_counter()
     busy = max(0.0, now - max(self._last_ready, t_dispatch) - compile_s)
@@ -419,10 +462,15 @@ class Engine:
     if want_lp:
       lp, top_ids, top_lp = np.asarray(out.logprob), np.asarray(out.top_ids), np.asarray(out.top_logprobs)
     if kind == "prefill":
-      self.stats["prefill_tokens"] += prompt_tokens
+      self.stats["prefill_tokens"] += extra
       self.stats["prefill_calls"] += 1
     else:
       self.stats["decode_steps"] += 1
+    verified = kind == "decode" and extra != 0  # a verify step: k + 1 drawn positions per row
+    if verified:
+      accepted, counts = np.asarray(extra[0]), extra[1]
+      width = len(tokens) // len(accepted)
+      self.stats["spec_steps"] += 1
     touched = []
     for row, seq in rows:
       if seq.done:
@@ -431,18 +479,30 @@ class Engine:
       if kind == "prefill":
         req.metrics.prefill_s += busy
         req.metrics.compile_s += compile_s
-      else:
-        self.stats["decode_tokens"] += 1
-      logprobs = None
-      if seq.out.logprobs is not None:
-        n = req.params.logprobs
-        logprobs = {int(top_ids[row, j]): Logprob(int(top_ids[row, j]), float(top_lp[row, j]), j + 1)
-                    for j in range(n)}
-        tok = int(tokens[row])
-        if tok not in logprobs:
-          logprobs[tok] = Logprob(tok, float(lp[row]), None)
-        seq.out.cumulative_logprob += float(lp[row])
-      self._on_token(seq, int(tokens[row]), logprobs, now)
+      emitted = [row]
+      if verified:
+        a, proposed = int(accepted[row]), int(counts[row])
+        emitted = [row * width + j for j in range(a + 1)]
+        seq.spec.record(proposed, a)
+        req.metrics.spec_draft_tokens += proposed
+        req.metrics.spec_accepted_tokens += a
+        self.stats["spec_draft_tokens"] += proposed
+        self.stats["spec_accepted_tokens"] += a
+        self.stats["spec_proposing_rows"] += proposed > 0
+      for i in emitted:
+        if seq.done:
+          break  # a stop inside an accepted run: the rest is dropped
+        if kind != "prefill":
+          self.stats["decode_tokens"] += 1
+        logprobs = None
+        if seq.out.logprobs is not None:
+          n = req.params.logprobs
+          logprobs = {int(top_ids[i, j]): Logprob(int(top_ids[i, j]), float(top_lp[i, j]), j + 1) for j in range(n)}
+          tok = int(tokens[i])
+          if tok not in logprobs:
+            logprobs[tok] = Logprob(tok, float(lp[i]), None)
+          seq.out.cumulative_logprob += float(lp[i])
+        self._on_token(seq, int(tokens[i]), logprobs, now)
       touched.append(req)
     return touched
 
@@ -511,6 +571,11 @@ class Engine:
     self.state = self.programs.fork(self.state, np.int32(0), np.int32(len(self.slots) - 1), row, np.int32(0))
     self.state = self.programs.move(self.state, np.int32(len(self.slots) - 1), np.int32(0))
     self.programs.logits(self.params, np.zeros((1, MIN_PROMPT_BUCKET), np.int32))
+    if self.spec_cfg is not None:
+      for rows in self.row_buckets:
+        self.state, *_ = self.programs.verify(self.params, self.state, np.zeros(rows, np.bool_),
+                                              np.zeros((rows, self.spec_cfg.k), np.int32), np.zeros(rows, np.int32),
+                                              np.bool_(False))
     if self.index is not None:
       scratch = self.store_spec.usable
       self.store = self.programs.save(self.state, self.store, np.int32(0), np.int32(0),
@@ -538,7 +603,19 @@ class Engine:
         prefill_tok_s=st["prefill_tokens"] / st["prefill_s"] if st["prefill_s"] else None,
         decode_tok_s=st["decode_tokens"] / st["decode_s"] if st["decode_s"] else None,
         decode_steps=st["decode_steps"], row_moves=st["moves"], decode_rows=dict(sorted(self.decode_buckets.items())),
-        **self._prefix_metrics())
+        **self._prefix_metrics(), **self._spec_metrics())
+
+  def _spec_metrics(self) -> dict:
+    """Speculation: proposals made and accepted; the mean accepted length counts the token every
+    verify row emits after its accepted proposals (vLLM's mean acceptance length)."""
+    st = self.stats
+    rows = st["spec_proposing_rows"]
+    return dict(
+        speculative=None if self.spec_cfg is None else f"{self.spec_cfg.method}:{self.spec_cfg.k}",
+        spec_verify_steps=st["spec_steps"], spec_draft_tokens=st["spec_draft_tokens"],
+        spec_accepted_tokens=st["spec_accepted_tokens"],
+        spec_acceptance_rate=st["spec_accepted_tokens"] / st["spec_draft_tokens"] if st["spec_draft_tokens"] else None,
+        spec_mean_accepted_length=1 + st["spec_accepted_tokens"] / rows if rows else None)
 
   def _prefix_metrics(self) -> dict:
     """vLLM's prefix-cache figures: hit rate = prompt tokens reused / prompt tokens looked up."""

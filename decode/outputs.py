@@ -23,6 +23,8 @@ class RequestMetrics:
   finished_time: float | None = None
   prefill_s: float = 0.0  # prefill device time attributed to this request (excl. compile)
   compile_s: float = 0.0  # compilation that happened while this request was prefilling
+  spec_draft_tokens: int = 0  # speculative proposals made for this request
+  spec_accepted_tokens: int = 0  # ... and accepted
   token_times: list[float] = dataclasses.field(default_factory=list)
 
   @property
@@ -58,6 +60,7 @@ class RequestMetrics:
     return dict(prompt_tokens=self.prompt_tokens, generated_tokens=self.generated_tokens,
                 queue_s=self.queue_s, ttft_s=self.ttft_s, prefill_s=self.prefill_s,
                 decode_s=self.decode_s, tpot_s=self.tpot_s, compile_s=self.compile_s,
+                spec_draft_tokens=self.spec_draft_tokens, spec_accepted_tokens=self.spec_accepted_tokens,
                 inter_token_latencies=self.inter_token_latencies)
 
 

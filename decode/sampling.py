@@ -212,20 +212,28 @@ def _draw(scaled: jax.Array, p: RowParams, u: jax.Array) -> jax.Array:
   return jnp.where(covered, from_cand, from_full)
 
 
-def sample(logits: jax.Array, state: SamplerState, positions: jax.Array, want_logprobs: jax.Array) -> SampleOut:
+def sample(logits: jax.Array, state: SamplerState, positions: jax.Array, want_logprobs: jax.Array,
+           rows: jax.Array | None = None) -> SampleOut:
   """Draws one token per row. logits [B, V] float32; positions [B]: position of the new token.
 
   state: the rows' parameters and tokens [B]; its seen_prompt and out_counts may hold more rows
   (a decode step over the lowest B slots passes the whole arrays): the first B are used, and only
   when a row asks for a penalty, so no [B, V] slice is copied otherwise.
   want_logprobs: bool scalar, whether any row asked for logprobs (skips the top-N otherwise).
+  rows: [B] the row of seen_prompt / out_counts each sampled row reads (a verify step samples
+  several positions of one row); default the first B.
   """
   p = state.params
   b = logits.shape[0]
   generated = positions - p.prompt_len
   x = _bias_and_bans(logits, p, generated)
   needs_pen = jnp.any((p.repetition_penalty != 1.0) | (p.presence_penalty != 0.0) | (p.frequency_penalty != 0.0))
-  x = jax.lax.cond(needs_pen, lambda x: penalize(x, p, state.seen_prompt[:b], state.out_counts[:b]), lambda x: x, x)
+  def pen(x):
+    if rows is None:
+      return penalize(x, p, state.seen_prompt[:b], state.out_counts[:b])
+    return penalize(x, p, state.seen_prompt[rows], state.out_counts[rows])
+
+  x = jax.lax.cond(needs_pen, pen, lambda x: x, x)
   greedy_tok = argmax(x)
 
   keys = jax.vmap(lambda kd, pos: jax.random.fold_in(jax.random.wrap_key_data(kd, impl="threefry2x32"), pos))(
@@ -244,8 +252,9 @@ def sample(logits: jax.Array, state: SamplerState, positions: jax.Array, want_lo
     vals, ids = top_candidates(logits, MAX_LOGPROBS)
     return chosen, ids, vals - lse[:, None]
 
-  def no_top():
-    return jnp.zeros((b,), jnp.float32), jnp.zeros((b, MAX_LOGPROBS), jnp.int32), jnp.zeros((b, MAX_LOGPROBS), jnp.float32)
+  def no_top():  # as wide as top()'s (a vocabulary smaller than MAX_LOGPROBS has fewer)
+    width = min(MAX_LOGPROBS, logits.shape[-1])
+    return jnp.zeros((b,), jnp.float32), jnp.zeros((b, width), jnp.int32), jnp.zeros((b, width), jnp.float32)
 
   chosen, top_ids, top_lp = jax.lax.cond(want_logprobs, top, no_top)
   return SampleOut(tokens, chosen, top_ids, top_lp)

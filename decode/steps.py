@@ -10,6 +10,10 @@ and reads back only the sampled ids (and logprobs when asked).
   `fresh=False` continues them (chunked prefill), attending to what they already hold.
 - `decode_step(params, state, active [R], want_logprobs)`: one token for every active row among
   the lowest R slots (R a row bucket): a step costs what its rows cost, not what the slots do.
+- `verify(params, state, active [R], proposals [R, k], counts [R], want_logprobs)`: speculative
+  decoding's step: each active row is fed its next token and its first counts[r] proposals in one
+  pass (T = k + 1), samples every position as a decode step would, keeps the longest run of
+  proposals equal to its own samples plus the sample after it, and rolls back by length.
 - `fork(state, src, dst, ...)`: another sample of a prompt in slot dst, sharing src's prefill.
 - `move(state, src, dst)`: slot src's whole row into slot dst (the engine keeps rows low).
 - `logits(params, tokens [1, T])`: one uncached forward pass (`LLM.logits`).
@@ -132,6 +136,51 @@ def decode_step(graphdef, params, state: DecodeState, active, want_logprobs, *, 
   return DecodeState(cache, SamplerState(s.params, next_tokens, s.seen_prompt, out_counts)), out
 
 
+def verify_step(graphdef, params, state: DecodeState, active, proposals, counts, want_logprobs, *,
+                limit: int | None, platform: Platform):
+  """Feeds each active row among the lowest R its next token and counts[r] <= k proposals.
+
+  Position j's token is drawn exactly as a decode step would draw it there (the row's sampling
+  parameters, its key folded with the position), so accepting proposal j when it equals that draw
+  and stopping at the first that does not (whose draw is then the step's last token) emits what
+  plain decoding would: for a proposal that is one fixed token this is the rejection rule of
+  Leviathan et al., exact by construction, independent of k and of the proposals. Rows must have
+  no penalties nor unmet min_tokens when counts[r] > 0 (draws after the first see the counts as
+  they were), and room for counts[r] + 1 tokens. Returns (state, SampleOut over [R * (k + 1)]
+  positions, accepted [R]).
+  """
+  model = nnx.merge(graphdef, params)
+  s, cache = state.sampler, state.cache
+  r, k = proposals.shape
+  t = k + 1
+  lengths = cache.lengths[:r]
+  fed = jnp.concatenate([s.tokens[:r, None], proposals], axis=1)  # [R, T]
+  n = jnp.where(active, counts + 1, 0).astype(jnp.int32)
+  if limit is not None:
+    n = jnp.minimum(n, jnp.maximum(limit - lengths, 0))
+  positions = lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+  hidden, layers = model(fed, positions, platform, cache.layers, kv.Rows(lengths, n))
+  logits = model.logits(hidden, platform).reshape(r * t, -1)  # [R * T, V]
+  took = n > 0
+  # The fed token counts as output before the first draw, as in a decode step.
+  out_counts = s.out_counts.at[jnp.arange(r), fed[:, 0]].add(took.astype(jnp.int32))
+  flat = jax.tree.map(lambda a: jnp.repeat(a[:r], t, axis=0), s.params)
+  rows = jnp.repeat(jnp.arange(r), t)
+  out = sample(logits, SamplerState(flat, fed.reshape(-1), s.seen_prompt, out_counts), (positions + 1).reshape(-1),
+               want_logprobs, rows=rows)
+  drawn = out.tokens.reshape(r, t)
+  match = (drawn[:, :k] == proposals) & (jnp.arange(k)[None, :] < jnp.minimum(counts, n - 1)[:, None])
+  accepted = jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1)  # [R]
+  written = jnp.where(took, accepted + 1, 0)  # fed tokens that stand: the next token and the accepted proposals
+  new_lengths = jax.lax.dynamic_update_slice(cache.lengths, lengths + written, (0,))
+  last = jnp.take_along_axis(drawn, accepted[:, None], axis=1)[:, 0]
+  stands = (jnp.arange(1, t)[None, :] < written[:, None]).astype(jnp.int32)  # accepted proposals
+  out_counts = out_counts.at[jnp.broadcast_to(jnp.arange(r)[:, None], (r, k)), fed[:, 1:]].add(stands)
+  next_tokens = jax.lax.dynamic_update_slice(s.tokens, jnp.where(took, last, s.tokens[:r]), (0,))
+  sampler = SamplerState(s.params, next_tokens, s.seen_prompt, out_counts)
+  return DecodeState(KVCache(layers, new_lengths), sampler), out, accepted
+
+
 def fork(state: DecodeState, src, dst, row_params: RowParams, last_token) -> DecodeState:
   """Copies slot `src`'s cache and prompt state into `dst` for another sample of one prompt.
 
@@ -197,6 +246,12 @@ class Programs:
     }
     self.decode = jax.jit(functools.partial(decode_step, graphdef, limit=full_capacity(cfg, spec), platform=platform),
                           donate_argnums=(1,), **kw(2))
+    self.verify = None
+    if spec.slack:
+      vkw = {} if shardings is None else dict(kw(4), out_shardings=(self.shardings["state"], self._replicated(),
+                                                                      self._replicated()))
+      self.verify = jax.jit(functools.partial(verify_step, graphdef, limit=full_capacity(cfg, spec), platform=platform),
+                            donate_argnums=(1,), **vkw)
     self.fork = self._state_update(fork, 4)
     self.move = self._state_update(move, 2)
     logits_kw = {}
