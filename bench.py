@@ -16,6 +16,10 @@ No figure blends the phases.
 a shared 1,000-token prefix with 16 different 20-token questions submitted together (TTFT of
 the first request, median TTFT of requests 2..16, wall time, prompt tokens prefilled), and a
 5-turn chat in the model's template (TTFT of each turn).
+
+`--speculative ngram:K` runs speculative decoding's scenarios instead, batch 1, plain decode and
+speculation side by side: a prompt whose answer repeats its input (rewrite a function with one
+change) and an ordinary one (decode tokens/s, TPOT, acceptance, mean accepted length).
 """
 
 from __future__ import annotations
@@ -266,6 +270,43 @@ def bench_chat(llm, out_len: int) -> list[dict]:
   return rows
 
 
+SPEC_PROMPTS = {
+    "repeats its input": "Rewrite this function so that it is called `total_price` instead of `f`; change "
+                         "nothing else and print the whole function.\n\n```python\ndef f(items, tax_rate):\n"
+                         "    subtotal = 0.0\n    for item in items:\n        price = item['price'] * "
+                         "item['quantity']\n        if item.get('discount'):\n            price = price * "
+                         "(1.0 - item['discount'])\n        subtotal += price\n    tax = subtotal * tax_rate\n"
+                         "    return round(subtotal + tax, 2)\n```",
+    "ordinary text": "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+}
+SPEC_RUNS = [("repeats its input", 0.0), ("ordinary text", 0.0), ("ordinary text", 0.8)]  # (prompt, temperature)
+
+
+def bench_speculative(llm, spec: str, out_len: int) -> list[dict]:
+  """Batch-1 decode with and without speculation on SPEC_RUNS (chat template; sampled runs seeded,
+  so both give the same tokens)."""
+  fmt = chat_format(llm.tokenizer)
+  rows = []
+  for name, temperature in SPEC_RUNS:
+    params = SamplingParams(max_tokens=out_len, temperature=temperature, seed=0, stop_token_ids=sorted(fmt.stop_ids))
+    ids = fmt.encode(llm.tokenizer, [{"role": "user", "content": SPEC_PROMPTS[name]}])
+    row = dict(prompt=name, temperature=temperature, prompt_tokens=len(ids), out_len=out_len)
+    for config in (None, spec):
+      eng = Engine(llm.model, llm.tokenizer, max_batch=1, max_len=llm.max_len, platform=llm.platform,
+                   speculative_config=config, enable_prefix_caching=False)
+      eng.warmup()
+      (out,), _ = _serve(eng, [ids], params)
+      m = eng.metrics()
+      key = "spec" if config else "plain"
+      row[key] = dict(decode_tok_s=(len(out.token_ids) - 1) / out.metrics.decode_s, tpot_ms=out.metrics.tpot_s * 1e3,
+                      acceptance=m["spec_acceptance_rate"], mean_accepted_length=m["spec_mean_accepted_length"],
+                      generated=len(out.token_ids), token_ids=out.token_ids)
+    row["same_tokens"] = row["spec"].pop("token_ids") == row["plain"].pop("token_ids")
+    row["speedup"] = row["spec"]["decode_tok_s"] / row["plain"]["decode_tok_s"]
+    rows.append(row)
+  return rows
+
+
 def bench_hf(n_requests: int, prompt_len: int, out_len: int, batch: int, dtype: str) -> dict | None:
   """HF transformers' batched generate on the same GGUF, if the reference extra is installed."""
   try:
@@ -300,6 +341,10 @@ def run(a, make_llm) -> int:
   info = dict(device=str(jax.devices()[0].device_kind), backend=jax.default_backend(), cores=jax.device_count(),
               dtype=a.dtype, quantization=llm.cfg.weight_quant, cache_dtype=llm.platform.cache_dtype,
               weights_bytes=model_bytes(llm), model=llm.cfg.family, kernels=llm.platform.kernels)
+  if a.speculative:
+    report = dict(info=info, speculative=a.speculative, spec=bench_speculative(llm, a.speculative, 32 if quick else 160))
+    print(json.dumps(report, indent=1)) if a.json else _print_spec(report)
+    return 0
   if a.prefix:
     out_len = 8 if quick else 16
     prefix_len = min(1000, llm.max_len - 20 - out_len - 1)  # a small model's context may be shorter
@@ -346,6 +391,20 @@ def _print(r: dict) -> None:
     if t.get("hf"):
       h = t["hf"]
       print(f"  {h['peer']} generate, batch {h['batch']}: {h['out_tok_s']:.1f} output tok/s")
+
+
+def _print_spec(r: dict) -> None:
+  i = r["info"]
+  print(f"device: {i['device']} ({i['backend']}), weights {i['dtype']}; speculative decoding {r['speculative']}, "
+        "batch 1")
+  print("  prompt (temperature)    tokens  plain tok/s   spec tok/s   speed-up   acceptance   mean accepted   same")
+  for row in r["spec"]:
+    p, s = row["plain"], row["spec"]
+    acc = "-" if s["acceptance"] is None else f"{100 * s['acceptance']:.0f}%"
+    mal = "-" if s["mean_accepted_length"] is None else f"{s['mean_accepted_length']:.2f}"
+    name = f"{row['prompt']} ({row['temperature']:g})"
+    print(f"  {name:<24}{p['generated']:6d} {p['decode_tok_s']:12.1f} {s['decode_tok_s']:12.1f} {row['speedup']:9.2f}x "
+          f"{acc:>11} {mal:>14}   {row['same_tokens']}")
 
 
 def _print_prefix(r: dict) -> None:
