@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import random
 
+import jax
 import numpy as np
 import pytest
 from conftest import ToyTokenizer, tiny_config, tiny_model
@@ -138,6 +139,7 @@ def test_stops_inside_an_accepted_run_and_max_tokens_hold():
 
 
 def test_nothing_compiles_after_warmup_and_verify_is_counted():
+  jax.clear_caches()  # fork, move, save and restore are module functions whose jit caches engines share
   eng = engine(slots=4)
   eng.warmup()
   p = eng.programs
