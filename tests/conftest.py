@@ -71,6 +71,19 @@ class ToyTokenizer:
     return "".join(self._char(i) for i in ids if i >= 3)
 
 
+def run_to_end(eng, prompts, params) -> list:
+  """Submits every prompt to an engine (one SamplingParams or one per prompt) and steps until all
+  finish; the final RequestOutputs in submission order."""
+  params = params if isinstance(params, list) else [params] * len(prompts)
+  ids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
+  done = {}
+  while eng.has_unfinished():
+    for out in eng.step():
+      if out.finished:
+        done[out.request_id] = out
+  return [done[i] for i in ids]
+
+
 def platform_for(impl: str, dtype: str = "float32") -> platforms.Platform:
   """A CPU platform whose ops take one side of the kernel interface: "xla" (the plain formulation
   TPU and GPU run), "xla_chunked" (XLA:CPU's own formulations, the fallback without the kernels)

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import ToyTokenizer, tiny_config, tiny_model
+from conftest import ToyTokenizer, run_to_end, tiny_config, tiny_model
 from flax import nnx
 from jaxgen.decode import compiles, prefix
 from jaxgen.decode.cache import CacheSpec
@@ -43,16 +43,7 @@ def engine(on=True, slots=4, max_len=256, chunk=64, cfg=None, **kw) -> Engine:
                 seed=0, enable_prefix_caching=on, **kw)
 
 
-def run(eng: Engine, prompts, params) -> list:
-  """Submits every prompt, steps to the end; outputs in submission order."""
-  params = params if isinstance(params, list) else [params] * len(prompts)
-  ids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
-  done = {}
-  while eng.has_unfinished():
-    for out in eng.step():
-      if out.finished:
-        done[out.request_id] = out
-  return [done[i] for i in ids]
+run = run_to_end
 
 
 def assert_same(a, b, tol=LOGPROB_TOL):

@@ -10,7 +10,7 @@ import random
 import jax
 import numpy as np
 import pytest
-from conftest import ToyTokenizer, tiny_config, tiny_model
+from conftest import ToyTokenizer, run_to_end, tiny_config, tiny_model
 from jaxgen.decode import compiles, speculative
 from jaxgen.decode.engine import Engine
 from jaxgen.decode.params import SamplingParams
@@ -27,15 +27,7 @@ def engine(spec="ngram:4", slots=4, model=MODEL, **kw) -> Engine:
                 speculative_config=spec, **kw)
 
 
-def run(eng: Engine, prompts, params) -> list:
-  params = params if isinstance(params, list) else [params] * len(prompts)
-  ids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
-  done = {}
-  while eng.has_unfinished():
-    for out in eng.step():
-      if out.finished:
-        done[out.request_id] = out
-  return [done[i] for i in ids]
+run = run_to_end
 
 
 def assert_same(a, b, tol=1e-4):
