@@ -14,7 +14,7 @@ import numpy as np
 from flax import nnx
 from jaxgen.checkpoints import source
 from jaxgen.checkpoints.chat import chat_format, conversations
-from jaxgen.decode import prefix
+from jaxgen.decode import draft, prefix, speculative
 from jaxgen.decode.buckets import bucket, powers_of_two
 from jaxgen.decode.cache import CacheSpec
 from jaxgen.decode.engine import MIN_PROMPT_BUCKET, Engine
@@ -57,6 +57,9 @@ class LLM:
   speculative_config: speculative decoding, vLLM's dict: {"method": "ngram",
   "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
   (`jaxgen.decode.speculative`); the output is token for token what it would be without.
+  {"method": "draft_model", "model": PATH or "self", "num_speculative_tokens": 4} drafts with a
+  smaller model sharing the vocabulary; "self" uses this model's own checkpoint, made cheaper with
+  "quantization": "int8" and/or "draft_layers": N (its first N layers and head).
   """
 
   def __init__(self, model: str | None = None, *, dtype: str = "float32", max_len: int = 2048,
@@ -66,6 +69,7 @@ class LLM:
                quantization: str | None = None, enable_prefix_caching: bool = True,
                prefix_cache_tokens: int | None = None, speculative_config=None):
     quant.check(quantization)
+    spec_cfg = speculative.parse(speculative_config)  # a bad config is refused before any load
     if compilation_cache_dir:
       jax.config.update("jax_compilation_cache_dir", compilation_cache_dir)
       jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
@@ -95,11 +99,17 @@ class LLM:
                    "state": state_shardings(self.cfg, spec, self.mesh)}
       # Requests without a seed draw one on the host: every process must draw the same.
       seed = distributed.same_seed(seed if seed is not None else np.random.SeedSequence().entropy % 2**63)
+    draft_model = draft_platform = None
+    if spec_cfg is not None and spec_cfg.method == "draft_model":
+      if self.mesh is not None:
+        raise ValueError("speculative_config method='draft_model' on a mesh is not supported yet; use 'ngram'")
+      draft_model = draft.load(spec_cfg, self.model, model, self.tokenizer, dtype)
+      draft_platform = resolve(quantization=draft_model.cfg.weight_quant)
     self.load_s = time.perf_counter() - t0
     self.engine = Engine(self.model, self.tokenizer, max_batch=max_batch, max_len=self.max_len,
                          platform=self.platform, shardings=shardings, seed=seed,
                          enable_prefix_caching=enable_prefix_caching, prefix_cache_tokens=prefix_cache_tokens,
-                         speculative_config=speculative_config)
+                         speculative_config=spec_cfg, draft_model=draft_model, draft_platform=draft_platform)
     if self.mesh is not None and self.engine.store_spec is None and self.plan.prefix_store:
       self.plan = memory_plan(self.cfg, dtype, spec, self.mesh).check()  # the engine keeps no store
     self.logits_buckets = powers_of_two(self.cfg.max_context, MIN_PROMPT_BUCKET)

@@ -37,7 +37,7 @@ from typing import Iterable, Sequence
 import jax
 import numpy as np
 from flax import nnx
-from jaxgen.decode import compiles, prefix, speculative
+from jaxgen.decode import compiles, draft, prefix, speculative
 from jaxgen.decode.buckets import bucket, powers_of_two
 from jaxgen.decode.cache import CacheSpec
 from jaxgen.decode.outputs import (
@@ -129,13 +129,16 @@ class Engine:
   many bytes as the KV cache where the device does not report its memory).
   speculative_config: vLLM's dict, e.g. {"method": "ngram", "num_speculative_tokens": 4} (or
   "ngram:4"); `decode.speculative`. None: off.
+  draft_model: the draft (a Transformer sharing the vocabulary) when the method is "draft_model"
+  (`decode.draft.load` makes it from the config; `LLM` does this); draft_platform: how it runs
+  (default: resolved for its dtype and weights).
   """
 
   def __init__(self, model, tokenizer, *, max_batch: int = 8, max_len: int = 2048, prefill_chunk: int | None = None,
                cache_dtype: str | None = None, platform: Platform | None = None, shardings=None,
                prefill_token_budget: int | None = None, seed: int | None = None,
                enable_prefix_caching: bool = True, prefix_cache_tokens: int | None = None,
-               speculative_config=None):
+               speculative_config=None, draft_model=None, draft_platform: Platform | None = None):
     cfg = model.cfg
     if max_len > cfg.max_context:
       raise ValueError(f"max_len={max_len} exceeds the model's context length {cfg.max_context}")
@@ -146,6 +149,7 @@ class Engine:
     if prefix_cache_tokens is not None and prefix_cache_tokens < 0:
       raise ValueError(f"prefix_cache_tokens={prefix_cache_tokens} must be >= 0")
     self.cfg, self.tokenizer = cfg, tokenizer
+    self.graphdef_dtype = model.dtype
     self.graphdef, self.params = nnx.split(model)
     self.platform = platform or resolve(str(model.dtype), cache_dtype=cache_dtype, prefill_chunk=prefill_chunk)
     self.spec_cfg = speculative.parse(speculative_config)
@@ -187,6 +191,7 @@ class Engine:
     self._restore_blocks = -(-max_len // BLOCK)
     self._save_blocks = max(self.chunk // BLOCK, 1)
     self.programs = Programs(self.graphdef, cfg, self.spec, self.platform, shardings)
+    self.drafter = self._drafter(draft_model, draft_platform, shardings)
     self.slots: list[_Seq | None] = [None] * max_batch
     self.waiting: collections.deque[_Request] = collections.deque()
     self.requests: dict[str, _Request] = {}
@@ -202,7 +207,28 @@ class Engine:
   def num_programs(self) -> int:
     """Programs `warmup()` compiles (see `program_count`)."""
     return program_count(len(self.slots), self.chunk, self.data_parallel, self.index is not None,
-                         self.spec_cfg is not None)
+                         self.spec_cfg is not None) + (self.drafter.num_programs if self.drafter else 0)
+
+  def _drafter(self, model, platform: Platform | None, shardings) -> draft.Drafter | None:
+    method = None if self.spec_cfg is None else self.spec_cfg.method
+    if method != "draft_model":
+      if model is not None:
+        raise ValueError(f"draft_model is given but speculative_config method={method!r} does not use one")
+      return None
+    if model is None:
+      raise ValueError("speculative_config method='draft_model' needs the draft model (Engine(draft_model=...); "
+                       "LLM loads it from the config)")
+    if model.cfg.vocab_size != self.cfg.vocab_size:
+      raise ValueError(f"draft_model has vocab_size={model.cfg.vocab_size}; the target's is {self.cfg.vocab_size} "
+                       "(a draft must share the target's vocabulary)")
+    if shardings is not None:
+      raise ValueError("speculative_config method='draft_model' on a mesh is not supported yet; use 'ngram'")
+    if platform is None:
+      same = model.cfg.weight_quant == self.cfg.weight_quant and model.dtype == self.graphdef_dtype
+      platform = self.platform if same else resolve(str(model.dtype), cache_dtype=self.spec.dtype,
+                                                    prefill_chunk=self.chunk, quantization=model.cfg.weight_quant)
+    spec = dataclasses.replace(self.spec, slots=self.spec.slots)  # its own rows, ring slack and dtype
+    return draft.Drafter(model, spec, platform, self.spec_cfg.k, self.prompt_buckets, self.row_buckets)
 
   # ----------------------------------------------------------------------------------- requests
   def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
@@ -280,8 +306,8 @@ class Engine:
       for s in running:
         active[s.slot] = True
       want = np.bool_(any(s.req.params.logprobs is not None for s in running))
+      c0, t0 = compiles.seconds(), time.perf_counter()  # a draft's work counts as decode time
       proposals = self._proposals(running, rows) if self.spec_cfg is not None else None
-      c0, t0 = compiles.seconds(), time.perf_counter()
       if proposals is None:
         self.state, out = self.programs.decode(self.params, self.state, active, want)
         extra = 0
@@ -334,6 +360,8 @@ class Engine:
         break
       seq = self.slots[src]
       self.state = self.programs.move(self.state, np.int32(src), np.int32(dst))
+      if self.drafter is not None:
+        self.drafter.move(src, dst)
       self.slots[dst], self.slots[src], seq.slot = seq, None, dst
       self.stats["moves"] += 1
 
@@ -432,6 +460,7 @@ class Engine:
     """(proposals [rows, k], counts [rows]) for this step, or None when no row proposes."""
     cfg = self.spec_cfg
     props, counts = np.zeros((rows, cfg.k), np.int32), np.zeros(rows, np.int32)
+    asks = []
     for s in running:
       p, out = s.req.params, s.out.token_ids
       if (p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty or len(out) < p.min_tokens
@@ -442,9 +471,26 @@ class Engine:
       if room < 1:
         continue
       history = np.asarray(s.req.prompt_ids + out, np.int32)
-      got = speculative.ngram_proposal(history, room, cfg.prompt_lookup_max, cfg.prompt_lookup_min)
-      props[s.slot, :len(got)], counts[s.slot] = got, len(got)
+      if self.drafter is None:
+        got = speculative.ngram_proposal(history, room, cfg.prompt_lookup_max, cfg.prompt_lookup_min)
+        props[s.slot, :len(got)], counts[s.slot] = got, len(got)
+      elif held >= 1 and held + cfg.k <= self.max_len:  # the draft writes k positions from held - 1
+        asks.append((s, history, held, room))
+    if asks:
+      self._draft_proposals(asks, props, counts)
     return (props, counts) if counts.any() else None
+
+  def _draft_proposals(self, asks, props, counts) -> None:
+    """The draft's proposals for rows `asks` [(seq, history, held, room)], into props and counts."""
+    rows = len(counts)
+    active, window, start = np.zeros(rows, np.bool_), np.zeros((rows, 2), np.int32), np.zeros(rows, np.int32)
+    for s, history, held, _ in asks:
+      s.spec.draft_held = self.drafter.catch_up(s.slot, history, s.spec.draft_held, held - 1)
+      active[s.slot], window[s.slot], start[s.slot] = True, history[held - 1:held + 1], held - 1
+      s.spec.draft_base = held
+    got = self.drafter.propose(active, window, start)
+    for s, _, _, room in asks:
+      props[s.slot, :room], counts[s.slot] = got[s.slot, :room], room
 
   def _row_params(self, req: _Request, seq: _Seq):
     return row_params(req.params, prompt_len=len(req.prompt_ids), stop_ids=req.stop_ids, seed=seq.seed)
@@ -484,6 +530,9 @@ class Engine:
         a, proposed = int(accepted[row]), int(counts[row])
         emitted = [row * width + j for j in range(a + 1)]
         seq.spec.record(proposed, a)
+        if seq.spec.draft_base is not None:  # the draft holds the accepted run (at most k - 1 of it)
+          base, seq.spec.draft_base = seq.spec.draft_base, None
+          seq.spec.draft_held = min(base + a + 1, base + self.spec_cfg.k)
         req.metrics.spec_draft_tokens += proposed
         req.metrics.spec_accepted_tokens += a
         self.stats["spec_draft_tokens"] += proposed
@@ -576,6 +625,8 @@ class Engine:
         self.state, *_ = self.programs.verify(self.params, self.state, np.zeros(rows, np.bool_),
                                               np.zeros((rows, self.spec_cfg.k), np.int32), np.zeros(rows, np.int32),
                                               np.bool_(False))
+    if self.drafter is not None:
+      self.drafter.warmup()
     if self.index is not None:
       scratch = self.store_spec.usable
       self.store = self.programs.save(self.state, self.store, np.int32(0), np.int32(0),

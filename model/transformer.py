@@ -12,6 +12,7 @@ knows nothing of requests, slots or meshes: which cache rows a call covers is a 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -180,3 +181,15 @@ class Transformer(nnx.Module):
     if self.cfg.final_softcap is not None:
       out = jnp.tanh(out / self.cfg.final_softcap) * self.cfg.final_softcap
     return out
+
+
+def first_layers(model: Transformer, n: int) -> Transformer:
+  """The model cut after its first n layers (keeping its final norm and head): a draft for
+  speculative decoding that shares the model's arrays, no copy."""
+  if not 1 <= n <= model.cfg.num_layers:
+    raise ValueError(f"draft_layers={n} must be between 1 and the model's {model.cfg.num_layers} layers")
+  cfg = dataclasses.replace(model.cfg, num_layers=n, layer_kinds=model.cfg.layer_kinds[:n])
+  graphdef, _ = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, dtype=model.dtype)))
+  state = nnx.state(model)
+  flat = {path: v for path, v in nnx.to_flat_state(state) if path[0] != "layers" or int(path[1]) < n}
+  return nnx.merge(graphdef, nnx.from_flat_state(flat))

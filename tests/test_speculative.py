@@ -10,10 +10,11 @@ import random
 import jax
 import numpy as np
 import pytest
-from conftest import ToyTokenizer, run_to_end, tiny_config, tiny_model
-from jaxgen.decode import compiles, speculative
+from conftest import DATA, ToyTokenizer, run_to_end, tiny_config, tiny_model
+from jaxgen.decode import compiles, draft, speculative
 from jaxgen.decode.engine import Engine
 from jaxgen.decode.params import SamplingParams
+from jaxgen.model.transformer import first_layers
 
 CFG = tiny_config(sliding_window=32, max_context=1024)
 MODEL = tiny_model(CFG, seed=1)
@@ -43,7 +44,14 @@ def assert_same(a, b, tol=1e-4):
 @pytest.mark.parametrize("config,message", [
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens=0 must be an integer >= 1"),
     ({"method": "medusa", "num_speculative_tokens": 2}, "method='medusa' is not supported"),
-    ({"method": "draft_model", "model": "x", "num_speculative_tokens": 2}, "draft model is not supported yet"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "model=None: a draft_model needs the draft's path"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, r"unknown fields \['model'\] for method 'ngram'"),
+    ({"method": "draft_model", "model": "self", "num_speculative_tokens": 2, "quantization": "int4"},
+     "quantization='int4' is not supported"),
+    ({"method": "draft_model", "model": "self", "num_speculative_tokens": 2, "draft_layers": 0},
+     "draft_layers=0 must be an integer >= 1"),
+    ('{"method": "ngram", ', "not valid JSON"),
+    ([1, 2], "speculative_config is a list"),
     ({"method": "ngram"}, "needs num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}, r"unknown fields \['lookahead'\]"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5}, "prompt_lookup_min=5 exceeds"),
@@ -58,6 +66,8 @@ def test_bad_configs_name_the_field(config, message):
 def test_cli_form_and_dict_form_agree():
   assert speculative.parse("ngram:3") == speculative.parse({"method": "ngram", "num_speculative_tokens": 3})
   assert speculative.parse(None) is None
+  assert speculative.parse('{"method": "ngram", "num_speculative_tokens": 3}') == speculative.parse("ngram:3")
+  assert speculative.parse("draft_model:2") == speculative.SpecConfig("draft_model", 2, model="self")
 
 
 def test_ngram_proposes_what_followed_the_latest_earlier_occurrence():
@@ -212,3 +222,125 @@ def test_embedded_model_greedy_golden_prompts_are_token_for_token_plain(llm, gol
       assert x.token_ids == y.token_ids
   m = eng.metrics()
   assert m["spec_accepted_tokens"] > 20, m
+
+
+# -------------------------------------------------------------------------------- draft model
+DRAFT = {"method": "draft_model", "model": "self", "num_speculative_tokens": 4}
+DRAFTS = {"itself": MODEL, "first_3_layers": first_layers(MODEL, 3), "unrelated": tiny_model(CFG, seed=7)}
+
+
+def test_first_layers_share_the_arrays_and_compute_the_prefix_of_the_model():
+  cut = first_layers(MODEL, 2)
+  assert cut.cfg.num_layers == 2 and cut.cfg.layer_kinds == CFG.layer_kinds[:2]
+  assert cut.layers[1].q.get_value() is MODEL.layers[1].q.get_value()
+  tokens = np.array([PROMPTS[1][:16]])
+  positions = np.arange(16)[None]
+  full = first_layers(MODEL, CFG.num_layers)
+  assert np.array_equal(full(tokens, positions)[0], MODEL(tokens, positions)[0])
+  with pytest.raises(ValueError, match="draft_layers=5 must be between 1 and the model's 4 layers"):
+    first_layers(MODEL, 5)
+
+
+def test_a_draft_must_share_the_vocabulary_and_be_given():
+  with pytest.raises(ValueError, match="vocab_size=16; the target's is 300"):
+    engine(DRAFT, draft_model=tiny_model(tiny_config(vocab_size=16)))
+  with pytest.raises(ValueError, match="needs the draft model"):
+    engine(DRAFT)
+  with pytest.raises(ValueError, match="does not use one"):
+    engine("ngram:2", draft_model=MODEL)
+
+
+@pytest.mark.parametrize("name", list(DRAFTS))
+def test_draft_model_output_is_plain_decodings(name):
+  """A draft that is the model, its first 3 layers, or an unrelated model of the same vocabulary:
+  greedy (with logprobs), seeded, penalised, min_tokens and n = 2 rows in one batch of 8, past the
+  rings, give plain decoding's tokens; the draft's cache rows move with compaction."""
+  params = [SamplingParams(max_tokens=25, temperature=0.0, n=2, ignore_eos=True),  # lowest rows finish first
+            SamplingParams(max_tokens=33, temperature=0.0, min_tokens=20, ignore_eos=True),
+            SamplingParams(max_tokens=40, temperature=0.0, repetition_penalty=1.3, ignore_eos=True),
+            SamplingParams(max_tokens=50, temperature=0.7, seed=3, ignore_eos=True),
+            SamplingParams(max_tokens=80, temperature=0.0, logprobs=2, ignore_eos=True)]
+  prompts = PROMPTS + PROMPTS[:1]
+  eng = engine(DRAFT, slots=8, draft_model=DRAFTS[name])
+  for x, y in zip(run(eng, prompts, params), run(engine(None, slots=8), prompts, params)):
+    assert_same(x, y)
+  m = eng.metrics()
+  assert m["spec_draft_tokens"] > 0 and m["row_moves"] > 0
+  if name == "itself":
+    assert m["spec_acceptance_rate"] > 0.6, m
+
+
+@pytest.mark.parametrize("k", [3])
+def test_draft_model_seeded_samples_and_stops_hold(k):
+  greedy = SamplingParams(max_tokens=70, temperature=0.0, ignore_eos=True)
+  ref = run(engine(None), [PROMPTS[0]], greedy)[0]
+  text = ref.outputs[0].text
+  cases = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (1, 2, 13)]
+  cases += [SamplingParams(max_tokens=70, temperature=0.0, stop=[text[30:33]], ignore_eos=True),
+            SamplingParams(max_tokens=60, temperature=0.05, top_p=0.9, seed=5, ignore_eos=True)]
+  config = dict(DRAFT, num_speculative_tokens=k)
+  for sp in cases:
+    got, want = run(engine(config, draft_model=MODEL), [PROMPTS[0]], sp)[0], run(engine(None), [PROMPTS[0]], sp)[0]
+    assert_same(got, want)
+    assert len(got.token_ids) <= sp.max_tokens
+
+
+def test_draft_model_compiles_nothing_after_warmup():
+  jax.clear_caches()
+  eng = engine(DRAFT, slots=4, draft_model=first_layers(MODEL, 3))
+  eng.warmup()
+  p, d = eng.programs, eng.drafter
+  jitted = [*p._prefill.values(), p.decode, p.verify, p.fork, p.move, p.logits, p.save, p.restore,
+            d._catch_up, d._propose, d._move]
+  assert sum(f._cache_size() for f in jitted) == eng.num_programs
+  before = compiles.count()
+  rng = random.Random(2)
+  for i in range(24):
+    prompt = rng.choice(PROMPTS)[:rng.randint(2, 70)]
+    kw = rng.choice([dict(temperature=0.0), dict(temperature=0.8, seed=i, logprobs=2), dict(n=2, temperature=0.5)])
+    eng.add_request(prompt, SamplingParams(max_tokens=rng.randint(1, 30), ignore_eos=True, **kw))
+    if i % 3 == 0:
+      eng.step()
+  while eng.has_unfinished():
+    eng.step()
+  assert compiles.count() == before
+  assert eng.metrics()["spec_draft_tokens"] > 0
+
+
+@pytest.mark.slow
+def test_a_real_draft_checkpoint_of_another_architecture():
+  """Tiny Gemma 3 target, tiny Gemma 2 draft (same tokenizer), both read from HF files through
+  LLM: greedy output equals plain decoding's; a Llama draft (another vocabulary) is refused."""
+  from jaxgen import LLM
+
+  hf = DATA / "hf"
+  prompts = ["The capital of France is", "def fibonacci(n): return"]
+  greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+  plain = LLM(str(hf / "gemma3"), max_batch=2, max_len=256, seed=0)
+  spec = LLM(str(hf / "gemma3"), max_batch=2, max_len=256, seed=0, speculative_config=dict(
+      DRAFT, model=str(hf / "gemma2"), num_speculative_tokens=3))
+  for x, y in zip(spec.generate(prompts, greedy, use_tqdm=False), plain.generate(prompts, greedy, use_tqdm=False)):
+    assert x.outputs[0].token_ids == y.outputs[0].token_ids
+  assert spec.engine.metrics()["spec_accepted_tokens"] > 0
+  with pytest.raises(ValueError, match="vocab_size=345; the target's is 381"):
+    draft.load(speculative.parse(dict(DRAFT, model=str(hf / "llama"))), plain.model, None, plain.tokenizer,
+               "float32")
+
+
+@pytest.mark.slow
+def test_embedded_model_self_drafting_int8_is_token_for_token_plain(llm, golden):
+  """Gemma 3 270M drafting for itself with int8 weights: the golden prompts' greedy continuations
+  (in one batch) equal plain decoding's, and most proposals are accepted."""
+  names = list(golden)
+  prompts = [golden[n]["ids"].tolist() for n in names]
+  greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+  plain = llm.generate(prompts, greedy, use_tqdm=False)
+  config = speculative.parse(dict(DRAFT, quantization="int8"))
+  model = draft.load(config, llm.model, None, llm.tokenizer, "float32")
+  assert model.cfg.weight_quant == "int8"
+  eng = Engine(llm.model, llm.tokenizer, max_batch=4, max_len=1536, prefill_chunk=256, platform=llm.platform,
+               speculative_config=config, draft_model=model, seed=0)
+  for x, y in zip(run(eng, prompts, greedy), plain):
+    assert x.token_ids == y.token_ids
+  m = eng.metrics()
+  assert m["spec_acceptance_rate"] > 0.7, m

@@ -1,0 +1,135 @@
+"""Draft-model proposals for speculative decoding: a cheaper model with a cache of its own.
+
+The draft has one cache row per engine slot, moved with it. A row's draft cache holds the row's
+first `RowSpec.draft_held` positions; before the draft proposes for a row it is caught up to all
+but the row's last two tokens (a prompt chunk through the draft, as prefill does), then
+
+  `propose` feeds those two tokens (positions L-1 and L, L the row's length; the first rewrites
+  what the draft already holds) and greedily continues k-1 more steps in one compiled program:
+  proposals d1..dk, the draft's cache written up to position L+k-1.
+
+The target's verify step accepts a of them; the draft then holds positions up to L+min(a, k-1),
+which is at least the row's new length minus one: the next `propose` needs no catch-up. A row that
+did not propose for a while (paused, penalised) is caught up when it next does.
+
+Greedy proposals keep verification exact for sampled rows too (a proposal is one fixed token,
+accepted when it equals the row's own draw: `steps.verify_step`); they are accepted less often
+there than the draft's own distribution would be.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jaxgen.checkpoints import source
+from jaxgen.decode.buckets import bucket
+from jaxgen.decode.cache import CacheSpec, KVCache, allocate
+from jaxgen.model import kv
+from jaxgen.model.platform import Platform
+from jaxgen.model.transformer import Transformer, first_layers
+
+PROBE = "The quick brown fox, 1234 -- jumps! Über déjà vu."  # a draft's tokenizer must encode it alike
+
+
+def load(spec_cfg, target: Transformer, target_source: str | None, tokenizer, dtype: str) -> Transformer:
+  """The draft model a `SpecConfig` names: "self" is the target's own checkpoint (the target itself,
+  re-read quantized when `quantization` asks for other weights); `draft_layers` keeps its first N
+  layers. A draft must share the target's vocabulary (ValueError naming the field otherwise)."""
+  q = spec_cfg.quantization
+  if spec_cfg.model == "self":
+    draft = target if q in (None, target.cfg.weight_quant) else source.load(target_source, dtype, quantization=q)[1]
+  else:
+    _, draft, draft_tokenizer = source.load(spec_cfg.model, dtype, quantization=q)
+    if draft.cfg.vocab_size != target.cfg.vocab_size:
+      raise ValueError(f"speculative_config model={spec_cfg.model!r} has vocab_size={draft.cfg.vocab_size}; the "
+                       f"target's is {target.cfg.vocab_size} (a draft must share the target's vocabulary)")
+    if draft_tokenizer.encode(PROBE) != tokenizer.encode(PROBE):
+      raise ValueError(f"speculative_config model={spec_cfg.model!r} has another tokenizer than the target "
+                       "(a draft must share the target's vocabulary)")
+  return draft if spec_cfg.draft_layers is None else first_layers(draft, spec_cfg.draft_layers)
+
+
+def catch_up(graphdef, params, cache: KVCache, tokens, start, counts, slots, *, platform: Platform) -> KVCache:
+  """Writes tokens [P, T] (the first counts[p] of each row) at positions start[p].. of rows `slots`."""
+  model = nnx.merge(graphdef, params)
+  t = tokens.shape[1]
+  positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+  _, layers = model(tokens, positions, platform, cache.layers, kv.Rows(start, counts, slots))
+  return KVCache(layers, cache.lengths.at[slots].set(start + counts))
+
+
+def propose(graphdef, params, cache: KVCache, active, window, start, *, k: int, platform: Platform):
+  """Among the lowest R rows, each active one is fed window [R, 2] at positions start, start + 1
+  and proposes k tokens greedily. -> (cache, proposals [R, k])."""
+  model = nnx.merge(graphdef, params)
+  r = active.shape[0]
+  fed = active.astype(jnp.int32)
+  positions = start[:, None] + jnp.arange(2, dtype=jnp.int32)[None, :]
+  hidden, layers = model(window, positions, platform, cache.layers, kv.Rows(start, 2 * fed))
+  first = jnp.argmax(model.logits(hidden[:, 1], platform), axis=-1).astype(jnp.int32)
+
+  def step(i, carry):
+    layers, tokens = carry
+    lengths = start + 1 + i  # held before this step: the window, then i - 1 proposals
+    hidden, layers = model(tokens[:, i - 1, None], lengths[:, None], platform, layers, kv.Rows(lengths, fed))
+    nxt = jnp.argmax(model.logits(hidden[:, 0], platform), axis=-1).astype(jnp.int32)
+    return layers, tokens.at[:, i].set(nxt)
+
+  tokens = jnp.zeros((r, k), jnp.int32).at[:, 0].set(first)
+  layers, tokens = jax.lax.fori_loop(1, k, step, (layers, tokens))
+  lengths = jax.lax.dynamic_update_slice(cache.lengths, jnp.where(active, start + k + 1, cache.lengths[:r]), (0,))
+  return KVCache(layers, lengths), tokens
+
+
+def move(cache: KVCache, src, dst) -> KVCache:
+  return jax.tree.map(lambda a: a.at[dst].set(a[src]), cache)
+
+
+class Drafter:
+  """A draft model's cache and programs, driven by the engine (`Engine._draft_proposals`)."""
+
+  def __init__(self, model: Transformer, spec: CacheSpec, platform: Platform, k: int, prompt_buckets, row_buckets):
+    self.cfg, self.k = model.cfg, k
+    self.graphdef, self.params = nnx.split(model)
+    self.prompt_buckets, self.row_buckets = prompt_buckets, row_buckets
+    self.cache = allocate(model.cfg, spec)
+    part = functools.partial
+    self._catch_up = jax.jit(part(catch_up, self.graphdef, platform=platform), donate_argnums=(1,))
+    self._propose = jax.jit(part(propose, self.graphdef, k=k, platform=platform), donate_argnums=(1,))
+    self._move = jax.jit(move, donate_argnums=(0,))
+
+  @property
+  def num_programs(self) -> int:
+    """catch-up per prompt bucket, propose per row bucket, move."""
+    return len(self.prompt_buckets) + len(self.row_buckets) + 1
+
+  def catch_up(self, slot: int, history: np.ndarray, held: int, upto: int) -> int:
+    """Writes positions held..upto-1 of `history` into the row; returns upto."""
+    chunk = self.prompt_buckets[-1]
+    for lo in range(held, upto, chunk):
+      n = min(chunk, upto - lo)
+      tokens = np.zeros((1, bucket(n, self.prompt_buckets)), np.int32)
+      tokens[0, :n] = history[lo:lo + n]
+      self.cache = self._catch_up(self.params, self.cache, tokens, np.array([lo], np.int32), np.array([n], np.int32),
+                                  np.array([slot], np.int32))
+    return max(held, upto)
+
+  def propose(self, active: np.ndarray, window: np.ndarray, start: np.ndarray) -> np.ndarray:
+    """Proposals [R, k] of the active rows (read back: the verify step needs them)."""
+    self.cache, tokens = self._propose(self.params, self.cache, active, window, start)
+    return np.asarray(tokens)
+
+  def move(self, src: int, dst: int) -> None:
+    self.cache = self._move(self.cache, np.int32(src), np.int32(dst))
+
+  def warmup(self) -> None:
+    one = np.ones(1, np.int32)
+    for b in self.prompt_buckets:
+      self.cache = self._catch_up(self.params, self.cache, np.zeros((1, b), np.int32), 0 * one, one, 0 * one)
+    for rows in self.row_buckets:
+      self.propose(np.zeros(rows, np.bool_), np.zeros((rows, 2), np.int32), np.zeros(rows, np.int32))
+    self.move(0, 0)
