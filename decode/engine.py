@@ -227,8 +227,8 @@ class Engine:
       same = model.cfg.weight_quant == self.cfg.weight_quant and model.dtype == self.graphdef_dtype
       platform = self.platform if same else resolve(str(model.dtype), cache_dtype=self.spec.dtype,
                                                     prefill_chunk=self.chunk, quantization=model.cfg.weight_quant)
-    spec = dataclasses.replace(self.spec, slots=self.spec.slots)  # its own rows, ring slack and dtype
-    return draft.Drafter(model, spec, platform, self.spec_cfg.k, self.prompt_buckets, self.row_buckets)
+    # Its own rows, with the target's ring slack and dtype.
+    return draft.Drafter(model, self.spec, platform, self.spec_cfg.k, self.prompt_buckets, self.row_buckets)
 
   # ----------------------------------------------------------------------------------- requests
   def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,

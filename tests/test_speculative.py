@@ -140,12 +140,14 @@ def test_stops_inside_an_accepted_run_and_max_tokens_hold():
   assert accepted > 0
 
 
-def test_nothing_compiles_after_warmup_and_verify_is_counted():
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_nothing_compiles_after_warmup_and_verify_is_counted(method):
   jax.clear_caches()  # fork, move, save and restore are module functions whose jit caches engines share
-  eng = engine(slots=4)
+  eng = engine(slots=4) if method == "ngram" else engine(DRAFT, slots=4, draft_model=first_layers(MODEL, 3))
   eng.warmup()
-  p = eng.programs
+  p, d = eng.programs, eng.drafter
   jitted = [*p._prefill.values(), p.decode, p.verify, p.fork, p.move, p.logits, p.save, p.restore]
+  jitted += [d._catch_up, d._propose, d._move] if d else []
   assert sum(f._cache_size() for f in jitted) == eng.num_programs
   before = compiles.count()
   rng = random.Random(1)
@@ -283,28 +285,6 @@ def test_draft_model_seeded_samples_and_stops_hold(k):
     got, want = run(engine(config, draft_model=MODEL), [PROMPTS[0]], sp)[0], run(engine(None), [PROMPTS[0]], sp)[0]
     assert_same(got, want)
     assert len(got.token_ids) <= sp.max_tokens
-
-
-def test_draft_model_compiles_nothing_after_warmup():
-  jax.clear_caches()
-  eng = engine(DRAFT, slots=4, draft_model=first_layers(MODEL, 3))
-  eng.warmup()
-  p, d = eng.programs, eng.drafter
-  jitted = [*p._prefill.values(), p.decode, p.verify, p.fork, p.move, p.logits, p.save, p.restore,
-            d._catch_up, d._propose, d._move]
-  assert sum(f._cache_size() for f in jitted) == eng.num_programs
-  before = compiles.count()
-  rng = random.Random(2)
-  for i in range(24):
-    prompt = rng.choice(PROMPTS)[:rng.randint(2, 70)]
-    kw = rng.choice([dict(temperature=0.0), dict(temperature=0.8, seed=i, logprobs=2), dict(n=2, temperature=0.5)])
-    eng.add_request(prompt, SamplingParams(max_tokens=rng.randint(1, 30), ignore_eos=True, **kw))
-    if i % 3 == 0:
-      eng.step()
-  while eng.has_unfinished():
-    eng.step()
-  assert compiles.count() == before
-  assert eng.metrics()["spec_draft_tokens"] > 0
 
 
 @pytest.mark.slow
