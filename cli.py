@@ -1,4 +1,4 @@
-"""The `jaxgen` command: generate (default), chat, bench, convert, info.
+"""The `jaxgen` command: generate (default), chat, serve, bench, convert, info.
 
 `jaxgen` alone generates from a default prompt with the embedded Gemma 3 270M and prints the
 phase report (prefill and decode apart, never one blended speed). Options given without a
@@ -13,7 +13,7 @@ import os
 import sys
 import time
 
-from jaxgen import bench, info
+from jaxgen import bench, info, serve
 from jaxgen.checkpoints.chat import chat_format
 from jaxgen.checkpoints.convert import convert
 from jaxgen.decode.params import SamplingParams
@@ -175,6 +175,22 @@ def cmd_chat(a) -> int:
     messages.append({"role": "assistant", "content": "".join(reply)})
 
 
+def cmd_serve(a) -> int:
+  if a.distributed:
+    raise ValueError("serve does not run across several processes yet; use --mesh within one process")
+  llm = make_llm(a)
+  name = a.served_model_name or (os.path.basename(os.path.normpath(a.model)) if a.model else serve.EMBEDDED_NAME)
+  app = serve.create_app(llm, model_name=name, max_queue=a.max_queue, request_timeout=a.request_timeout,
+                         api_key=a.api_key or None, warmup=not a.no_warmup)
+
+  def bound(host, port):
+    print(f"# jaxgen: serving {name!r} (OpenAI API under /v1) on http://{host}:{port}; /health says 200 once warm",
+          file=sys.stderr, flush=True)
+
+  serve.run(app, a.host, a.port, on_bound=bound, log_level=a.log_level)
+  return 0
+
+
 def cmd_convert(a) -> int:
   try:
     summary = convert(a.src, a.dst, dtype=a.dtype, show_progress=not a.quiet, quantization=a.quantize)
@@ -202,6 +218,21 @@ def build_parser() -> argparse.ArgumentParser:
   ch.add_argument("--system", default=None, help="system message that opens the conversation")
   ch.add_argument("--chat-template", default=None, help="jinja file to use instead of the model's template")
   ch.set_defaults(func=cmd_chat, max_tokens=512)
+
+  s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (completions, chat, streaming, metrics)",
+                     description="Serves /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics. "
+                     "SIGTERM or Ctrl-C stops admitting, lets running requests finish, and exits 0.")
+  model_args(s)
+  s.add_argument("--host", default="127.0.0.1")
+  s.add_argument("--port", type=int, default=8000, help="0 takes a free port (printed on stderr)")
+  s.add_argument("--served-model-name", default=None, help="the name clients send as `model`")
+  s.add_argument("--api-key", default=os.environ.get("JAXGEN_API_KEY"),
+                 help="require `Authorization: Bearer KEY` (default: $JAXGEN_API_KEY; none: open)")
+  s.add_argument("--max-queue", type=int, default=256, help="requests that may wait for a slot; more get 429")
+  s.add_argument("--request-timeout", type=float, default=600.0, help="seconds after which a request is aborted")
+  s.add_argument("--no-warmup", action="store_true", help="compile on first use instead of before /health is 200")
+  s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+  s.set_defaults(func=cmd_serve, max_batch=8)
 
   c = sub.add_parser("convert", help="convert a GGUF file or Hugging Face directory to an orbax checkpoint",
                      description="Writes DST (which must not exist) only when the whole conversion succeeded.")

@@ -235,6 +235,16 @@ class Engine:
                   request_id: str | None = None) -> str:
     """Validates and queues one request; raises ValueError (nothing queued) on bad input."""
     params = params or SamplingParams()
+    text, ids = self.check_request(prompt, params)
+    rid = str(request_id if request_id is not None else next(self._ids))
+    if rid in self.requests:
+      raise ValueError(f"request_id={rid!r} is already in use")
+    self._queue(rid, text, ids, params)
+    return rid
+
+  def check_request(self, prompt: str | Sequence[int], params: SamplingParams) -> tuple[str | None, list[int]]:
+    """The checks of `add_request`, changing nothing (a server runs them on its own thread):
+    (text or None, prompt token ids); ValueError naming what is wrong."""
     params.validate(self.cfg.vocab_size)
     if isinstance(prompt, str):
       text, ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
@@ -249,9 +259,9 @@ class Engine:
                        "(the prompt must leave room for at least one generated token)")
     if params.n > len(self.slots):
       raise ValueError(f"SamplingParams.n={params.n} exceeds the engine's max_batch={len(self.slots)} slots")
-    rid = str(request_id if request_id is not None else next(self._ids))
-    if rid in self.requests:
-      raise ValueError(f"request_id={rid!r} is already in use")
+    return text, ids
+
+  def _queue(self, rid: str, text: str | None, ids: list[int], params: SamplingParams) -> None:
     room = self.max_len - len(ids)
     max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
     stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.tokenizer.stop_ids)
@@ -264,7 +274,6 @@ class Engine:
       req.seqs.append(_Seq(req, i, seed, out, IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)))
     self.requests[rid] = req
     self.waiting.append(req)
-    return rid
 
   def abort(self, request_id: str) -> None:
     """Ends a request (finish_reason "abort", with what it produced); unknown or finished ids are ignored."""

@@ -1,0 +1,282 @@
+"""The HTTP server: OpenAI's API over one engine loop, on FastAPI and uvicorn.
+
+Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (both also as server-sent
+events with `stream: true`), GET /health (200 once warm, 503 before), GET /metrics (Prometheus).
+
+Every request is checked and tokenized here, then submitted to the loop; a full queue answers 429
+at once, a bad request 400 with OpenAI's error object, and neither disturbs anything running. A
+client that disconnects aborts its requests (their slots free for the next step); a request that
+outlives `request_timeout` is aborted and returns what it made, with finish_reason "abort".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import secrets
+import signal
+import socket
+import threading
+import time
+from typing import AsyncIterator, Callable
+
+import pydantic
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from jaxgen.checkpoints.chat import chat_format
+from jaxgen.llm import LLM
+from jaxgen.serve.loop import Closed, EngineLoop, QueueFull
+from jaxgen.serve.metrics import Metrics
+from jaxgen.serve.protocol import (
+  ApiError,
+  ChatRequest,
+  CompletionRequest,
+  Responder,
+  invalid,
+  sampling_params,
+)
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.background import BackgroundTask
+
+EMBEDDED_NAME = "gemma-3-270m"  # what the embedded model is called when no --model is given
+
+
+def create_app(llm: LLM, *, model_name: str = EMBEDDED_NAME, max_queue: int = 256, request_timeout: float = 600.0,
+               api_key: str | None = None, warmup: bool = True) -> FastAPI:
+  """An app serving `llm` (its engine is owned by the app's loop while the app runs).
+
+  max_queue: requests that may wait for a slot (beyond them: 429). request_timeout: seconds from
+  arrival after which a request is aborted. api_key: when set, /v1 routes want
+  `Authorization: Bearer <api_key>` (401 otherwise). warmup: compile everything before /health
+  says ready.
+  """
+  if request_timeout <= 0:
+    raise ValueError(f"request_timeout={request_timeout} must be > 0 seconds")
+  holder: dict = {}
+  loop = EngineLoop(llm.engine, max_queue=max_queue, warmup=warmup,
+                    on_finish=lambda out: holder["metrics"].on_finish(out))
+  metrics = holder["metrics"] = Metrics(loop)
+  try:
+    fmt = chat_format(llm.tokenizer)
+  except ValueError as e:  # chat needs a template; completions still work
+    fmt, fmt_error = None, str(e)
+
+  @contextlib.asynccontextmanager
+  async def lifespan(app: FastAPI):
+    loop.start()
+    yield
+    loop.stop(timeout=60)
+
+  app = FastAPI(title="jaxgen", lifespan=lifespan)
+  app.state.loop, app.state.metrics, app.state.llm = loop, metrics, llm
+  app.state.request_timeout = request_timeout  # read per request: may be changed while serving
+
+  @app.exception_handler(ApiError)
+  async def api_error(request: Request, e: ApiError):
+    if e.status in (429, 503):
+      metrics.rejected.labels(str(e.status)).inc()
+    return JSONResponse(e.body(), status_code=e.status)
+
+  @app.middleware("http")
+  async def authorize(request: Request, call_next):
+    if api_key and request.url.path.startswith("/v1"):
+      given = request.headers.get("authorization", "")
+      if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+        return JSONResponse(ApiError(401, "missing or wrong API key (Authorization: Bearer <key>)", None,
+                                     "invalid_api_key").body(), status_code=401)
+    return await call_next(request)
+
+  @app.get("/health")
+  async def health():
+    if not loop.ready.is_set():
+      return JSONResponse({"status": "warming up"}, status_code=503)
+    return {"status": "ok"}
+
+  @app.get("/metrics")
+  async def prometheus():
+    return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+  @app.get("/v1/models")
+  async def models():
+    return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "jaxgen",
+                                        "max_model_len": llm.max_len}]}
+
+  @app.post("/v1/completions")
+  async def completions(request: Request):
+    req = await _parse(request, CompletionRequest)
+    _check_model(req.model, model_name)
+    if req.echo:
+      raise ApiError(400, "echo=true is not supported", "echo")
+    if req.suffix:
+      raise ApiError(400, "suffix is not supported", "suffix")
+    if req.best_of is not None and req.best_of != req.n:
+      raise ApiError(400, f"best_of={req.best_of} is not supported (only best_of == n)", "best_of")
+    params = sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs)
+    prompts = [_check_prompt(llm, p, params) for p in _prompt_list(req.prompt)]
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    return await _run(request, prompts, params, Responder(model_name, llm.tokenizer, req.n, False, include_usage),
+                      req.stream)
+
+  @app.post("/v1/chat/completions")
+  async def chat_completions(request: Request):
+    req = await _parse(request, ChatRequest)
+    _check_model(req.model, model_name)
+    if fmt is None:
+      raise ApiError(400, fmt_error, "messages")
+    if req.top_logprobs is not None and not req.logprobs:
+      raise ApiError(400, "top_logprobs needs logprobs=true", "top_logprobs")
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    params = sampling_params(req, max_tokens=max_tokens, logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+                             stop_token_ids=fmt.stop_ids)
+    try:
+      ids = fmt.encode(llm.tokenizer, [m.plain() for m in req.messages], req.add_generation_prompt)
+    except ValueError as e:  # the template refused the conversation
+      raise ApiError(400, str(e), "messages") from None
+    prompts = [_check_prompt(llm, ids, params)]
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    return await _run(request, prompts, params, Responder(model_name, llm.tokenizer, req.n, True, include_usage),
+                      req.stream)
+
+  async def _run(request: Request, prompts: list[list[int]], params, responder: Responder, stream: bool):
+    job = _Job(loop, prompts, params, deadline=time.monotonic() + app.state.request_timeout)
+    if stream:
+      return StreamingResponse(_events(job, responder), media_type="text/event-stream",
+                               background=BackgroundTask(job.abort))
+    finals: list = [None] * len(prompts)
+    async for p, out in job.updates(request.is_disconnected):
+      finals[p] = out
+    if any(f is None for f in finals):  # the client left; nobody reads this
+      return Response(status_code=499)
+    return responder.whole(finals)
+
+  return app
+
+
+async def _events(job: "_Job", responder: Responder) -> AsyncIterator[str]:
+  """Server-sent events: a chunk per update, the usage chunk when asked, then [DONE]."""
+  finals: dict[int, object] = {}
+  try:
+    async for p, out in job.updates(None):
+      if out.finished:
+        finals[p] = out
+      for chunk in responder.chunks(p, out):
+        yield f"data: {json.dumps(chunk)}\n\n"
+    if responder.include_usage:
+      yield f"data: {json.dumps(responder.usage_chunk([finals[p] for p in sorted(finals)]))}\n\n"
+    yield "data: [DONE]\n\n"
+  finally:
+    job.abort()  # the client went away mid-stream (or all is done, and this changes nothing)
+
+
+class _Job:
+  """One HTTP request's engine requests; their updates come back to the event loop's queue."""
+
+  def __init__(self, loop: EngineLoop, prompts: list[list[int]], params, deadline: float):
+    self.loop, self.deadline, self.n = loop, deadline, len(prompts)
+    self.queue: asyncio.Queue = asyncio.Queue()
+    self.finished: set[int] = set()
+    aio = asyncio.get_running_loop()
+
+    def sink(p, out, error):
+      aio.call_soon_threadsafe(self.queue.put_nowait, (p, out, error))
+
+    try:
+      self.rids = loop.submit(prompts, params, sink)
+    except QueueFull as e:
+      raise ApiError(429, str(e), None, "queue_full") from None
+    except Closed as e:
+      raise ApiError(503, str(e), None, "shutting_down") from None
+
+  def abort(self) -> None:
+    if len(self.finished) < self.n:
+      self.loop.abort([r for p, r in enumerate(self.rids) if p not in self.finished])
+
+  async def updates(self, disconnected: Callable | None) -> AsyncIterator[tuple[int, object]]:
+    """(prompt index, output) per update until every request finished. A request past its deadline,
+    or whose client is gone (`disconnected()` polled each second), is aborted: its last output says so."""
+    aborted = False
+    while len(self.finished) < self.n:
+      wait = 1.0 if disconnected is not None else None
+      if not aborted:
+        left = self.deadline - time.monotonic()
+        wait = left if wait is None else min(wait, left)
+      try:
+        p, out, error = await asyncio.wait_for(self.queue.get(), timeout=None if wait is None else max(wait, 0.0))
+      except asyncio.TimeoutError:
+        if not aborted and (time.monotonic() >= self.deadline):
+          self.abort()
+          aborted = True
+        elif disconnected is not None and await disconnected():
+          self.abort()
+          return
+        continue
+      if error is not None:
+        self.abort()
+        raise ApiError(500, f"generation failed: {error}") from error
+      if out.finished:
+        self.finished.add(p)
+      yield p, out
+
+
+async def _parse(request: Request, model: type[pydantic.BaseModel]):
+  """The JSON body as `model`; 400 naming the first bad field, or saying the JSON is malformed."""
+  try:
+    body = json.loads(await request.body())
+  except ValueError as e:
+    raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+  if not isinstance(body, dict):
+    raise ApiError(400, "the request body must be a JSON object")
+  try:
+    return model.model_validate(body)
+  except pydantic.ValidationError as e:
+    err = e.errors()[0]
+    where = ".".join(str(x) for x in err["loc"]) or None
+    raise ApiError(400, f"{where}: {err['msg']} (got {err.get('input')!r})"[:500], where) from None
+
+
+def _check_model(name: str | None, served: str) -> None:
+  if name is not None and name != served:
+    raise ApiError(400, f"model {name!r} is not served here; this server serves {served!r}", "model",
+                   "model_not_found")
+
+
+def _prompt_list(prompt) -> list:
+  """OpenAI's prompt forms: a string, a list of strings, a list of token ids, a list of id lists."""
+  if isinstance(prompt, str) or (prompt and all(isinstance(x, int) for x in prompt)):
+    return [prompt]
+  if not prompt:
+    raise ApiError(400, "prompt is empty", "prompt")
+  return list(prompt)
+
+
+def _check_prompt(llm: LLM, prompt, params) -> list[int]:
+  """The prompt's token ids, checked as the engine will (context length, ids, n <= slots)."""
+  try:
+    return llm.engine.check_request(prompt, params)[1]
+  except ValueError as e:
+    err = invalid(e)
+    err.param = err.param or "prompt"
+    raise err from None
+
+
+def run(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, *, log_level: str = "info",
+        on_bound: Callable[[str, int], None] | None = None) -> None:
+  """Serves `app` until SIGINT/SIGTERM: then stops accepting, lets running requests finish, returns.
+
+  port 0 takes a free port; on_bound(host, port) is told which before serving starts.
+  """
+  family = socket.AF_INET6 if ":" in host else socket.AF_INET
+  sock = socket.socket(family, socket.SOCK_STREAM)
+  sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+  sock.bind((host, port))
+  if on_bound is not None:
+    on_bound(host, sock.getsockname()[1])
+  server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=None))
+  if threading.current_thread() is threading.main_thread():
+    # uvicorn drains, then re-raises the signal it caught to the handler found before it: one that
+    # does nothing lets a drained server return (and the process exit 0) instead of dying of it.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+      signal.signal(sig, lambda *_: None)
+  server.run(sockets=[sock])

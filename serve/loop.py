@@ -1,0 +1,187 @@
+"""The engine loop: one thread owns the engine; HTTP handlers reach it through a bounded inbox.
+
+A handler checks and tokenizes its request on its own thread (`Engine.check_request`), reserves
+room (`submit` refuses at once when `max_batch + max_queue` requests are already in), and gets
+every update of its requests back through a callback. Between engine steps the loop adds what was
+submitted and aborts what was cancelled, so the engine is only ever touched from this thread.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import queue
+import threading
+import uuid
+from typing import Callable, Sequence
+
+from jaxgen.decode import compiles
+from jaxgen.decode.engine import Engine
+from jaxgen.decode.outputs import RequestOutput
+from jaxgen.decode.params import SamplingParams
+
+log = logging.getLogger("jaxgen.serve")
+
+# sink(prompt index, snapshot of its latest RequestOutput or None, error or None); runs on the loop thread
+Sink = Callable[[int, RequestOutput | None, BaseException | None], None]
+
+
+class QueueFull(Exception):
+  """No room: max_batch + max_queue requests are already running or waiting."""
+
+
+class Closed(Exception):
+  """The loop is stopping (SIGTERM): it admits nothing new."""
+
+
+class EngineLoop:
+  """Runs `engine` on a thread of its own: `start()`, `submit()`, `abort()`, `stop()`.
+
+  max_queue: requests allowed to wait for a slot; beyond max_batch + max_queue, `submit` raises
+  QueueFull. warmup: compile every program before `ready` is set (nothing compiles later).
+  on_finish(output): called on the loop thread once per finished request (metrics).
+  """
+
+  def __init__(self, engine: Engine, *, max_queue: int, warmup: bool = True,
+               on_finish: Callable[[RequestOutput], None] | None = None):
+    if max_queue < 0:
+      raise ValueError(f"max_queue={max_queue} must be >= 0")
+    self.engine, self.warmup, self.on_finish = engine, warmup, on_finish
+    self.capacity = len(engine.slots) + max_queue
+    self.ready = threading.Event()
+    self.snapshot: dict = engine.metrics()  # the engine's metrics after the latest step
+    self.compiles_at_ready: int | None = None
+    self._lock = threading.Lock()
+    self._accepted = 0  # submitted and not yet finished
+    self._closed = False
+    self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+    self._sinks: dict[str, tuple[Sink, int]] = {}
+    self._thread = threading.Thread(target=self._run, name="jaxgen-engine-loop", daemon=True)
+
+  # ------------------------------------------------------------------------- from other threads
+  def start(self) -> None:
+    self._thread.start()
+
+  @property
+  def unfinished(self) -> int:
+    """Requests submitted and not yet finished (running, prefilling or waiting)."""
+    return self._accepted
+
+  @property
+  def waiting(self) -> int:
+    """Requests not yet given a slot: in the inbox or the engine's queue."""
+    return self._inbox.qsize() + self.snapshot.get("waiting", 0)
+
+  def submit(self, prompts: Sequence[list[int]], params: SamplingParams, sink: Sink) -> list[str]:
+    """Queues one request per prompt (checked token ids); their ids. QueueFull or Closed: nothing queued."""
+    with self._lock:
+      if self._closed:
+        raise Closed("the server is shutting down and admits no new requests")
+      if self._accepted + len(prompts) > self.capacity:
+        raise QueueFull(f"{self._accepted} requests are running or waiting; the limit is {self.capacity} "
+                        "(max_batch + max_queue): retry later")
+      self._accepted += len(prompts)
+    rids = [uuid.uuid4().hex for _ in prompts]
+    self._inbox.put(("add", rids, list(prompts), params, sink))
+    return rids
+
+  def abort(self, rids: Sequence[str]) -> None:
+    """Aborts requests (finish_reason "abort", slot freed); finished or unknown ids are ignored."""
+    self._inbox.put(("abort", list(rids)))
+
+  def close(self) -> None:
+    """Admits nothing new; what was submitted runs to the end."""
+    with self._lock:
+      self._closed = True
+
+  def stop(self, timeout: float | None = None) -> None:
+    """Aborts what is left, then ends the thread."""
+    self.close()
+    self._inbox.put(("stop",))
+    if self._thread.is_alive():
+      self._thread.join(timeout)
+
+  # ---------------------------------------------------------------------------- the loop thread
+  def _run(self) -> None:
+    if self.warmup:
+      try:
+        self.engine.warmup()
+      except Exception:  # serving still works, compiling on first use
+        log.exception("warm-up failed")
+    self.compiles_at_ready = compiles.count()
+    self.ready.set()
+    while True:
+      if not self._take(block=not self.engine.has_unfinished()):
+        break
+      if self.engine.has_unfinished():
+        try:
+          outs = self.engine.step()
+        except Exception as e:  # a failed step fails the requests in it, not the server
+          log.exception("engine step failed")
+          self._fail_all(e)
+          continue
+        for out in outs:
+          self._deliver(out)
+      self.snapshot = self.engine.metrics()
+    for rid in list(self._sinks):  # stopping: abort what is left and report it
+      self.engine.abort(rid)
+    while self.engine.has_unfinished():
+      for out in self.engine.step():
+        self._deliver(out)
+
+  def _take(self, block: bool) -> bool:
+    """Applies the inbox's commands (waiting for one when `block`); False on stop."""
+    while True:
+      try:
+        cmd = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+      except queue.Empty:
+        if block:
+          continue
+        return True
+      block = False
+      if cmd[0] == "stop":
+        return False
+      if cmd[0] == "abort":
+        for rid in cmd[1]:
+          self.engine.abort(rid)
+        continue
+      _, rids, prompts, params, sink = cmd
+      for i, (rid, ids) in enumerate(zip(rids, prompts)):
+        self._sinks[rid] = (sink, i)
+        try:
+          self.engine.add_request(ids, params, request_id=rid)
+        except ValueError as e:  # checked by the handler already; still never the loop's problem
+          self._sinks.pop(rid)
+          self._release(1)
+          sink(i, None, e)
+
+  def _deliver(self, out: RequestOutput) -> None:
+    entry = self._sinks.get(out.request_id)
+    if entry is None:
+      return
+    sink, i = entry
+    if out.finished:
+      del self._sinks[out.request_id]
+      self._release(1)
+      if self.on_finish is not None:
+        self.on_finish(out)
+    sink(i, snapshot(out), None)
+
+  def _fail_all(self, error: Exception) -> None:
+    for rid, (sink, i) in list(self._sinks.items()):
+      self.engine.abort(rid)
+      del self._sinks[rid]
+      self._release(1)
+      sink(i, None, error)
+
+  def _release(self, n: int) -> None:
+    with self._lock:
+      self._accepted -= n
+
+
+def snapshot(out: RequestOutput) -> RequestOutput:
+  """A copy another thread may read while the engine goes on appending to the original."""
+  outs = [dataclasses.replace(c, token_ids=list(c.token_ids), logprobs=None if c.logprobs is None else list(c.logprobs))
+          for c in out.outputs]
+  return dataclasses.replace(out, outputs=outs, metrics=copy.copy(out.metrics))

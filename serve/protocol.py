@@ -1,0 +1,227 @@
+"""OpenAI's request bodies for /v1/completions and /v1/chat/completions, their mapping to
+`SamplingParams`, and the response objects (whole and streamed chunks) built from engine outputs.
+
+Unknown fields are ignored, as vLLM does; a field of the wrong type or value is refused with a 400
+that names it. vLLM's extra sampling fields (top_k, min_p, repetition_penalty, ignore_eos, ...)
+are accepted too.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from typing import Any
+
+from jaxgen.decode.outputs import CompletionOutput, RequestOutput
+from jaxgen.decode.params import SamplingParams
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class ApiError(Exception):
+  """An error answered with OpenAI's error object: {"error": {"message", "type", "param", "code"}}."""
+
+  def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    super().__init__(message)
+    self.status, self.message, self.param, self.code = status, message, param, code
+
+  def body(self) -> dict:
+    kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+            429: "rate_limit_error", 503: "server_overloaded"}.get(self.status, "server_error")
+    return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code or self.status}}
+
+
+class StreamOptions(BaseModel):
+  include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+  """Fields both endpoints share (OpenAI's, then vLLM's extras)."""
+
+  model_config = ConfigDict(extra="ignore")
+  model: str | None = None
+  n: int = 1
+  temperature: float | None = None
+  top_p: float | None = None
+  stop: str | list[str] | None = None
+  stream: bool = False
+  stream_options: StreamOptions | None = None
+  seed: int | None = None
+  presence_penalty: float = 0.0
+  frequency_penalty: float = 0.0
+  logit_bias: dict[str, float] | None = None
+  user: str | None = None
+  top_k: int | None = None
+  min_p: float | None = None
+  repetition_penalty: float | None = None
+  ignore_eos: bool = False
+  min_tokens: int = 0
+  stop_token_ids: list[int] | None = None
+  skip_special_tokens: bool = True
+  include_stop_str_in_output: bool = False
+
+
+class CompletionRequest(_Sampling):
+  prompt: str | list[str] | list[int] | list[list[int]]
+  max_tokens: int | None = 16
+  logprobs: int | None = None
+  echo: bool = False
+  suffix: str | None = None
+  best_of: int | None = None
+
+
+class Message(BaseModel):
+  model_config = ConfigDict(extra="ignore")
+  role: str
+  content: str | list[dict[str, Any]] | None = None
+
+  def plain(self) -> dict[str, str]:
+    """{"role", "content"} with the content as one string (text parts joined; others refused)."""
+    if self.content is None or isinstance(self.content, str):
+      return {"role": self.role, "content": self.content or ""}
+    texts = []
+    for part in self.content:
+      if part.get("type") != "text":
+        raise ApiError(400, f"message content part of type {part.get('type')!r} is not supported; only 'text'",
+                       "messages")
+      texts.append(str(part.get("text", "")))
+    return {"role": self.role, "content": "".join(texts)}
+
+
+class ChatRequest(_Sampling):
+  messages: list[Message] = Field(min_length=1)
+  max_tokens: int | None = None
+  max_completion_tokens: int | None = None
+  logprobs: bool = False
+  top_logprobs: int | None = None
+  add_generation_prompt: bool = True
+
+
+def sampling_params(req: _Sampling, *, max_tokens: int | None, logprobs: int | None,
+                    stop_token_ids=()) -> SamplingParams:
+  """The request's SamplingParams; ApiError(400) naming the field when a value is refused."""
+  bias = {}
+  for k, v in (req.logit_bias or {}).items():
+    try:
+      bias[int(k)] = v
+    except ValueError:
+      raise ApiError(400, f"logit_bias key {k!r} is not a token id", "logit_bias") from None
+  try:
+    return SamplingParams(
+        n=req.n, max_tokens=max_tokens, min_tokens=req.min_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p, top_k=-1 if req.top_k is None else req.top_k,
+        min_p=req.min_p or 0.0, repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty, logit_bias=bias,
+        seed=req.seed, stop=req.stop, stop_token_ids=sorted(set(req.stop_token_ids or []) | set(stop_token_ids)),
+        ignore_eos=req.ignore_eos, include_stop_str_in_output=req.include_stop_str_in_output,
+        skip_special_tokens=req.skip_special_tokens, logprobs=logprobs)
+  except ValueError as e:
+    raise invalid(e) from None
+
+
+def invalid(e: ValueError) -> ApiError:
+  """A ValueError of jaxgen's checks as a 400, its param taken from 'SamplingParams.<field>' when named."""
+  m = re.search(r"SamplingParams\.(\w+)", str(e))
+  return ApiError(400, str(e), m.group(1) if m else None)
+
+
+# ------------------------------------------------------------------------------------- responses
+class Responder:
+  """Builds one HTTP request's responses: whole, or as stream chunks that each carry what is new.
+
+  chat: chat.completion objects (message/delta) instead of text_completion ones. Choice index =
+  prompt index * n + sample index, as OpenAI numbers the choices of a batch of prompts.
+  """
+
+  def __init__(self, model: str, tokenizer, n: int, chat: bool, include_usage: bool = False):
+    self.model, self.tokenizer, self.n, self.chat, self.include_usage = model, tokenizer, n, chat, include_usage
+    self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+    self.created = int(time.time())
+    self.object = "chat.completion" if chat else "text_completion"
+    self._sent: dict[int, tuple[int, int]] = {}  # choice index -> (characters, tokens) streamed
+    self._done: set[int] = set()  # choice indices whose last chunk was sent
+
+  def _head(self, obj: str) -> dict:
+    return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+  def usage(self, finals: list[RequestOutput]) -> dict:
+    prompt = sum(len(o.prompt_token_ids) for o in finals)
+    completion = sum(len(c.token_ids) for o in finals for c in o.outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+  def whole(self, finals: list[RequestOutput]) -> dict:
+    choices = []
+    for p, out in enumerate(finals):
+      for c in out.outputs:
+        choice = {"index": p * self.n + c.index, "logprobs": self._logprobs(c, 0), "finish_reason": c.finish_reason,
+                  "stop_reason": c.stop_reason}
+        if self.chat:
+          choice["message"] = {"role": "assistant", "content": c.text}
+        else:
+          choice["text"] = c.text
+        choices.append(choice)
+    return {**self._head(self.object), "choices": choices, "usage": self.usage(finals)}
+
+  def chunks(self, p: int, out: RequestOutput) -> list[dict]:
+    """Chunks for what `out` (prompt p's latest output) adds to what was streamed."""
+    found = []
+    for c in out.outputs:
+      index = p * self.n + c.index
+      first = index not in self._sent
+      chars, tokens = self._sent.get(index, (0, 0))
+      new = len(c.text) > chars or len(c.token_ids) > tokens
+      if index in self._done or not (first or new or c.finished):
+        continue
+      choice = {"index": index, "logprobs": self._logprobs(c, tokens), "finish_reason": c.finish_reason}
+      if c.finished:
+        choice["stop_reason"] = c.stop_reason
+        self._done.add(index)
+      text = c.text[chars:]
+      if self.chat:
+        choice["delta"] = {"role": "assistant", "content": text} if first else {"content": text} if text else {}
+      else:
+        choice["text"] = text
+      self._sent[index] = (len(c.text), len(c.token_ids))
+      chunk = {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [choice]}
+      if self.include_usage:
+        chunk["usage"] = None
+      found.append(chunk)
+    return found
+
+  def usage_chunk(self, finals: list[RequestOutput]) -> dict:
+    return {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [],
+            "usage": self.usage(finals)}
+
+  # ----------------------------------------------------------------------------------- logprobs
+  def _piece(self, token: int) -> str:
+    return self.tokenizer.decode([token], skip_special_tokens=False)
+
+  def _logprobs(self, c: CompletionOutput, start: int) -> dict | None:
+    """OpenAI's logprobs of tokens[start:]: {content: [...]} for chat, {tokens, token_logprobs,
+    top_logprobs, text_offset} for completions; None when none were asked for."""
+    if c.logprobs is None:
+      return None
+    ids, entries = c.token_ids[start:], c.logprobs[start:]
+    if self.chat:
+      content = []
+      for t, entry in zip(ids, entries):
+        piece = self._piece(t)
+        content.append({"token": piece, "logprob": entry[t].logprob, "bytes": list(piece.encode()),
+                        "top_logprobs": [{"token": self._piece(lp.token_id), "logprob": lp.logprob,
+                                          "bytes": list(self._piece(lp.token_id).encode())} for lp in _top(entry)]})
+      return {"content": content}
+    pieces = [self._piece(t) for t in ids]
+    offsets, at = [], sum(len(self._piece(t)) for t in c.token_ids[:start])
+    for piece in pieces:
+      offsets.append(at)
+      at += len(piece)
+    return {"tokens": pieces, "token_logprobs": [entry[t].logprob for t, entry in zip(ids, entries)],
+            "top_logprobs": [{self._piece(lp.token_id): lp.logprob for lp in _top(entry)}
+                             for t, entry in zip(ids, entries)],
+            "text_offset": offsets}
+
+
+def _top(entry: dict) -> list:
+  """The top-N alternatives of one position, best first (the chosen token has no rank unless it is among them)."""
+  return sorted((lp for lp in entry.values() if lp.rank is not None), key=lambda lp: lp.rank)

@@ -1,0 +1,322 @@
+"""The OpenAI-compatible server, driven by the official `openai` client and raw HTTP over 127.0.0.1.
+
+One server over the session's embedded model (warmed up once) serves every test here; the last
+test starts `jaxgen serve` as a process of its own and stops it with SIGTERM under load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import uvicorn
+from jaxgen.decode import compiles
+from jaxgen.serve import create_app
+
+pytestmark = pytest.mark.slow
+KEY = "test-key"
+NAME = "gemma-test"
+
+
+class ThreadServer:
+  """uvicorn serving `app` on a free port of 127.0.0.1, on a thread of this process."""
+
+  def __init__(self, app):
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+    self.thread.start()
+
+  def stop(self):
+    self.server.should_exit = True
+    self.thread.join(120)
+
+
+def wait_healthy(url: str, timeout: float) -> None:
+  deadline = time.monotonic() + timeout
+  while time.monotonic() < deadline:
+    try:
+      if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+        return
+    except httpx.TransportError:
+      pass
+    time.sleep(0.2)
+  raise TimeoutError(f"{url}/health did not answer 200 within {timeout} s")
+
+
+@pytest.fixture(scope="module")
+def server(llm):
+  app = create_app(llm, model_name=NAME, max_queue=32, request_timeout=120, api_key=KEY)
+  srv = ThreadServer(app)
+  wait_healthy(srv.url, 600)
+  srv.app, srv.loop = app, app.state.loop
+  yield srv
+  srv.stop()
+  assert not srv.loop._thread.is_alive()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+  return openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=300)
+
+
+def post(server, path: str, body, key: str | None = KEY, **kw) -> httpx.Response:
+  headers = {"Authorization": f"Bearer {key}"} if key else {}
+  content = body if isinstance(body, (str, bytes)) else json.dumps(body)
+  return httpx.post(f"{server.url}{path}", content=content, headers={**headers, "content-type": "application/json"},
+                    timeout=300, **kw)
+
+
+def metric(server, name: str, labels: str = "") -> float:
+  text = httpx.get(f"{server.url}/metrics").text
+  m = re.search(rf"^{re.escape(name)}{re.escape(labels)} (\S+)$", text, re.M)
+  return float(m.group(1)) if m else 0.0
+
+
+def settled(server, timeout: float = 30.0) -> None:
+  """Waits until the loop holds no request; every slot of the engine is then free."""
+  deadline = time.monotonic() + timeout
+  while server.loop.unfinished and time.monotonic() < deadline:
+    time.sleep(0.05)
+  assert server.loop.unfinished == 0
+  time.sleep(0.2)  # the loop's last step
+  assert all(s is None for s in server.loop.engine.slots)
+
+
+# ------------------------------------------------------------------------------------ the client
+def test_completions_match_the_reference_greedy_tokens(server, client, golden, llm):
+  g = golden["english"]
+  want = llm.tokenizer.decode([int(t) for t in g["greedy_ids"][:8]], skip_special_tokens=True)
+  assert [m.id for m in client.models.list().data] == [NAME]
+  out = client.completions.create(model=NAME, prompt=[int(t) for t in g["ids"]], max_tokens=8, temperature=0)
+  assert out.choices[0].text == want and out.choices[0].finish_reason == "length"
+  assert out.usage.prompt_tokens == len(g["ids"]) and out.usage.completion_tokens == 8
+  chunks = list(client.completions.create(model=NAME, prompt=[int(t) for t in g["ids"]], max_tokens=8, temperature=0,
+                                          stream=True, stream_options={"include_usage": True}))
+  assert "".join(c.choices[0].text for c in chunks if c.choices) == want
+  assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+  assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
+
+
+def test_stop_logprobs_and_n(server, client):
+  prompt = "The capital of France is"
+  base = client.completions.create(model=NAME, prompt=prompt, max_tokens=12, temperature=0).choices[0].text
+  word = base.split()[1]
+  cut = client.completions.create(model=NAME, prompt=prompt, max_tokens=12, temperature=0, stop=[word]).choices[0]
+  assert cut.finish_reason == "stop" and cut.text == base[:base.index(word)]
+
+  lp = client.completions.create(model=NAME, prompt=prompt, max_tokens=4, temperature=0, logprobs=3).choices[0].logprobs
+  assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+  for tok, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+    assert len(top) == 3 and value <= 0 and value == pytest.approx(max(top.values()), abs=1e-5)  # greedy = the best
+  assert "".join(lp.tokens) == base[:sum(len(t) for t in lp.tokens)]
+
+  two = client.completions.create(model=NAME, prompt=prompt, max_tokens=6, temperature=1.0, seed=5, n=2)
+  assert sorted(c.index for c in two.choices) == [0, 1] and two.usage.completion_tokens == 12
+  again = client.completions.create(model=NAME, prompt=prompt, max_tokens=6, temperature=1.0, seed=5, n=2)
+  assert [c.text for c in again.choices] == [c.text for c in two.choices]
+
+
+def test_chat_streaming_and_logprobs(server, client):
+  messages = [{"role": "user", "content": "Name a colour."}]
+  whole = client.chat.completions.create(model=NAME, messages=messages, max_tokens=10, temperature=0,
+                                         logprobs=True, top_logprobs=2)
+  choice = whole.choices[0]
+  assert choice.message.role == "assistant" and choice.finish_reason in ("stop", "length")
+  assert len(choice.logprobs.content) == whole.usage.completion_tokens
+  assert all(len(t.top_logprobs) == 2 for t in choice.logprobs.content)
+  chunks = list(client.chat.completions.create(model=NAME, messages=messages, max_tokens=10, temperature=0, stream=True))
+  assert chunks[0].choices[0].delta.role == "assistant"
+  assert "".join(c.choices[0].delta.content or "" for c in chunks) == choice.message.content
+  assert chunks[-1].choices[0].finish_reason == choice.finish_reason
+
+
+def test_concurrent_seeded_requests_are_identical(server, client):
+  results = [None, None]
+
+  def ask(i):
+    results[i] = client.completions.create(model=NAME, prompt="Once upon a time", max_tokens=12, temperature=0.9,
+                                           top_p=0.95, seed=1234).choices[0].text
+
+  threads = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  assert results[0] and results[0] == results[1]
+
+
+# ------------------------------------------------------------------------------- bad requests
+@pytest.mark.parametrize("body,param", [
+    ('{"model": "gemma-test", "prompt": ', None),  # malformed JSON
+    ({"model": "nope", "prompt": "hi"}, "model"),
+    ({"model": NAME, "prompt": "hi", "top_p": 2}, "top_p"),
+    ({"model": NAME, "prompt": "hi", "max_tokens": "many"}, "max_tokens"),
+    ({"model": NAME, "prompt": "hi", "temperature": -1}, "temperature"),
+    ({"model": NAME, "prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias"),
+    ({"model": NAME, "prompt": [5] * 1600}, "prompt"),  # over max_len=1536
+    ({"model": NAME, "prompt": [10**7]}, "prompt"),
+    ({"model": NAME}, "prompt"),
+])
+def test_bad_requests_get_400_and_the_next_request_succeeds(server, body, param):
+  r = post(server, "/v1/completions", body)
+  assert r.status_code == 400, r.text
+  err = r.json()["error"]
+  assert err["type"] == "invalid_request_error" and err["message"] and err["param"] == param
+  ok = post(server, "/v1/completions", {"model": NAME, "prompt": "Hello", "max_tokens": 2})
+  assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_api_key_is_required(server):
+  for key in (None, "wrong"):
+    r = post(server, "/v1/completions", {"model": NAME, "prompt": "hi"}, key=key)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+  assert httpx.get(f"{server.url}/health").status_code == 200  # health and metrics stay open
+
+
+def test_timeout_aborts_and_returns_what_was_made(server):
+  server.app.state.request_timeout = 0.5
+  try:
+    r = post(server, "/v1/completions", {"model": NAME, "prompt": "Count: 1, 2, 3,", "max_tokens": 1000,
+                                         "ignore_eos": True})
+  finally:
+    server.app.state.request_timeout = 120
+  choice = r.json()["choices"][0]
+  assert r.status_code == 200 and choice["finish_reason"] == "abort" and 0 < r.json()["usage"]["completion_tokens"] < 1000
+  settled(server)
+
+
+# --------------------------------------------------------------------------------- load, faults
+async def _stream(http, i, prompt, max_tokens, leave_early):
+  """One streamed completion: (text, finish reasons seen, [DONE] count) or None when it left early."""
+  body = {"model": NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+  text, reasons, done = "", [], 0
+  async with http.stream("POST", "/v1/completions", json=body) as r:
+    assert r.status_code == 200, await r.aread()
+    async for line in r.aiter_lines():
+      if not line.startswith("data: "):
+        continue
+      if line == "data: [DONE]":
+        done += 1
+        continue
+      choice = json.loads(line[6:])["choices"][0]
+      text += choice["text"]
+      if choice["finish_reason"]:
+        reasons.append(choice["finish_reason"])
+      if leave_early:
+        return None  # closes the connection mid-stream
+  return text, reasons, done
+
+
+def test_load_with_disconnects_completes_each_request_once(server):
+  prompts = [f"Fact number {i} about the sea:" for i in range(8)]
+  want = [post(server, "/v1/completions", {"model": NAME, "prompt": p, "max_tokens": 2 + i % 4, "temperature": 0})
+          .json()["choices"][0] for i, p in enumerate(prompts)]
+  finished_before = sum(metric(server, "jaxgen_requests_total", f'{{finish_reason="{r}"}}') for r in ("stop", "length", "abort"))
+  compiles_before = compiles.count()
+  rng = np.random.default_rng(0)
+  leave = set(rng.choice(200, 20, replace=False).tolist())
+
+  async def main():
+    limit = asyncio.Semaphore(32)
+    async with httpx.AsyncClient(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=300,
+                                 limits=httpx.Limits(max_connections=40)) as http:
+      async def one(i):
+        async with limit:
+          return await _stream(http, i, prompts[i % 8], 2 + i % 4, i in leave)
+      return await asyncio.gather(*(one(i) for i in range(200)))
+
+  results = asyncio.run(main())
+  for i, res in enumerate(results):
+    if i in leave:
+      assert res is None
+      continue
+    text, reasons, done = res
+    assert (text, reasons, done) == (want[i % 8]["text"], [want[i % 8]["finish_reason"]], 1), i
+  settled(server)
+  finished = sum(metric(server, "jaxgen_requests_total", f'{{finish_reason="{r}"}}') for r in ("stop", "length", "abort"))
+  assert finished - finished_before == 200  # each request finished exactly once in the engine
+  assert compiles.count() == compiles_before  # nothing compiled under load
+  assert metric(server, "jaxgen_compilations_after_warmup_total") == 0
+  assert metric(server, "jaxgen_time_to_first_token_seconds_count") >= 180
+
+
+def test_a_full_queue_answers_429_and_loses_nothing(server):
+  async def main():
+    async with httpx.AsyncClient(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=300,
+                                 limits=httpx.Limits(max_connections=200)) as http:
+      body = {"model": NAME, "prompt": "Hello there", "max_tokens": 3, "temperature": 0}
+      return await asyncio.gather(*(http.post("/v1/completions", json=body) for _ in range(120)))
+
+  rs = asyncio.run(main())
+  codes = [r.status_code for r in rs]
+  assert set(codes) == {200, 429} and codes.count(429) >= 120 - server.loop.capacity
+  assert all(r.json()["error"]["code"] == "queue_full" for r in rs if r.status_code == 429)
+  texts = {r.json()["choices"][0]["text"] for r in rs if r.status_code == 200}
+  assert len(texts) == 1 and all(r.json()["usage"]["completion_tokens"] == 3 for r in rs if r.status_code == 200)
+  assert metric(server, "jaxgen_requests_rejected_total", '{status="429"}') == codes.count(429)
+  settled(server)
+
+
+def test_metrics_and_health(server):
+  text = httpx.get(f"{server.url}/metrics").text
+  for name in ("jaxgen_requests_total", "jaxgen_requests_waiting", "jaxgen_requests_running", "jaxgen_prompt_tokens_total",
+               "jaxgen_generation_tokens_total", "jaxgen_time_per_output_token_seconds_bucket",
+               "jaxgen_prefix_cache_hit_tokens_total", "jaxgen_kv_cache_usage_ratio"):
+    assert name in text, name
+  assert metric(server, "jaxgen_prefix_cache_hit_tokens_total") > 0  # the load test repeated its prompts
+
+
+# -------------------------------------------------------------------------------------- SIGTERM
+def test_sigterm_drains_running_requests_and_exits_0(tmp_path):
+  env = dict(os.environ, JAXGEN_API_KEY="")
+  proc = subprocess.Popen([sys.executable, "-m", "jaxgen.cli", "serve", "--port", "0", "--max-len", "128",
+                           "--max-batch", "4", "--no-warmup", "--log-level", "warning",
+                           "--compilation-cache", os.environ["JAX_COMPILATION_CACHE_DIR"]],
+                          stderr=subprocess.PIPE, text=True, env=env)
+  try:
+    line = ""
+    while "serving" not in line:
+      line = proc.stderr.readline()
+      assert line or proc.poll() is None, "the server exited before serving"
+    url = re.search(r"http://\S+", line).group(0).rstrip(";")
+    wait_healthy(url, 120)
+    results, started = [], threading.Barrier(5)
+
+    def ask():
+      body = {"model": "gemma-3-270m", "prompt": "The sea is", "max_tokens": 24, "ignore_eos": True, "stream": True}
+      with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as r:
+        lines = r.iter_lines()
+        first = next(lines)
+        started.wait()
+        rest = [first, *lines]
+      reasons = [json.loads(x[6:])["choices"][0]["finish_reason"] for x in rest if x.startswith("data: {")]
+      results.append((reasons[-1], rest.count("data: [DONE]")))
+
+    threads = [threading.Thread(target=ask) for _ in range(4)]
+    for t in threads:
+      t.start()
+    started.wait(timeout=300)
+    proc.send_signal(signal.SIGTERM)
+    for t in threads:
+      t.join(300)
+    assert results == [("length", 1)] * 4  # all four ran to the end after the signal
+    assert proc.wait(60) == 0
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+    proc.stderr.close()
