@@ -151,6 +151,9 @@ class Engine:
     self.cfg, self.tokenizer = cfg, tokenizer
     self.graphdef_dtype = model.dtype
     self.graphdef, self.params = nnx.split(model)
+    # Committed to where they already are (no copy), as swapped-in weights will be
+    # (`LLM.update_weights`), so that the compiled programs serve both.
+    self.params = _committed(self.params)
     self.platform = platform or resolve(str(model.dtype), cache_dtype=cache_dtype, prefill_chunk=prefill_chunk)
     self.spec_cfg = speculative.parse(speculative_config)
     self.spec = CacheSpec(slots=max_batch, max_len=max_len, dtype=cache_dtype or self.platform.cache_dtype,
@@ -172,7 +175,7 @@ class Engine:
     # Slots split over a data axis: a prefix of rows would sit on a few devices, so steps cover all.
     self.row_buckets = powers_of_two(max_batch) if self.data_parallel == 1 else (max_batch,)
     self.prefill_token_budget = prefill_token_budget or self.chunk
-    self.state = place_state(cfg, self.spec, None if shardings is None else shardings["state"])
+    self.state = _committed(place_state(cfg, self.spec, None if shardings is None else shardings["state"]))
     self.store_spec, self.store, self.index = None, None, None
     if self.prefix_note is None:
       if prefix_cache_tokens is None:
@@ -187,7 +190,7 @@ class Engine:
         if shardings is not None:
           mesh = jax.tree.leaves(shardings["state"])[0].mesh
           shardings = dict(shardings, store=store_shardings(cfg, store_spec, mesh))
-        self.store = place_store(cfg, store_spec, None if shardings is None else shardings["store"])
+        self.store = _committed(place_store(cfg, store_spec, None if shardings is None else shardings["store"]))
     self._restore_blocks = -(-max_len // BLOCK)
     self._save_blocks = max(self.chunk // BLOCK, 1)
     self.programs = Programs(self.graphdef, cfg, self.spec, self.platform, shardings)
@@ -691,6 +694,12 @@ class Engine:
         prefix_cache_hit_rate=st["prefix_hit_tokens"] / queried if queried else None,
         prefix_cache_saved_blocks=st["prefix_saved_blocks"],
         prefix_cache_evictions=self.index.evictions if on else 0)
+
+
+def _committed(tree):
+  """`tree` committed to the devices it is on (no copy). Programs whose inputs are all committed
+  return committed outputs; inputs that start uncommitted would make each program compile twice."""
+  return jax.device_put(tree, jax.tree.map(lambda x: x.sharding, tree))
 
 
 def _free_device_bytes() -> int | None:
