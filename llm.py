@@ -12,7 +12,7 @@ from typing import Iterator, Sequence
 import jax
 import numpy as np
 from flax import nnx
-from jaxgen.checkpoints import source
+from jaxgen.checkpoints import source, weights
 from jaxgen.checkpoints.chat import chat_format, conversations
 from jaxgen.decode import draft, prefix, speculative
 from jaxgen.decode.buckets import bucket, powers_of_two
@@ -23,6 +23,8 @@ from jaxgen.decode.params import SamplingParams, token_ids
 from jaxgen.decode.steps import memory_plan, state_shardings
 from jaxgen.model import platform as platforms
 from jaxgen.model import quant
+from jaxgen.model.config import ModelConfig
+from jaxgen.model.params import check_tree, flat_params, path_str
 from jaxgen.sharding import distributed, rules
 from jaxgen.sharding.mesh import MeshConfig, as_mesh
 from tqdm.auto import tqdm
@@ -67,7 +69,7 @@ class LLM:
                compilation_cache_dir: str | None = None, mesh: MeshConfig | jax.sharding.Mesh | None = None,
                attention_impl: str = "auto", matmul_impl: str = "auto", seed: int | None = None,
                quantization: str | None = None, enable_prefix_caching: bool = True,
-               prefix_cache_tokens: int | None = None, speculative_config=None):
+               prefix_cache_tokens: int | None = None, speculative_config=None, _weights=None):
     quant.check(quantization)
     spec_cfg = speculative.parse(speculative_config)  # a bad config is refused before any load
     if compilation_cache_dir:
@@ -81,7 +83,12 @@ class LLM:
     self.platform = resolve(quantization=quantization)  # bad options are refused before any load
     _warn_if_kernels_failed(self.platform)
     self.dtype = dtype
-    self.cfg, self.model, self.tokenizer = source.load(model, dtype, mesh=self.mesh, quantization=quantization)
+    if _weights is None:
+      self.cfg, self.model, self.tokenizer = source.load(model, dtype, mesh=self.mesh, quantization=quantization)
+    else:  # LLM.from_weights
+      cfg, tree, self.tokenizer = _weights
+      self.model = weights.from_tree(cfg, tree, dtype, mesh=self.mesh, quantization=quantization)
+      self.cfg = self.model.cfg
     if self.cfg.weight_quant != quantization:  # an orbax checkpoint saved int8 restores int8
       self.platform = resolve(quantization=self.cfg.weight_quant)
     self.max_len = min(max_len, self.cfg.max_context)
@@ -103,6 +110,9 @@ class LLM:
     if spec_cfg is not None and spec_cfg.method == "draft_model":
       if self.mesh is not None:
         raise ValueError("speculative_config method='draft_model' on a mesh is not supported yet; use 'ngram'")
+      if _weights is not None and spec_cfg.model == "self" and spec_cfg.quantization not in (None, quantization):
+        raise ValueError("speculative_config model='self' with other quantization needs a checkpoint to re-read; "
+                         "an LLM from weights in memory can draft with itself or its first layers only")
       draft_model = draft.load(spec_cfg, self.model, model, self.tokenizer, dtype)
       draft_platform = resolve(quantization=draft_model.cfg.weight_quant)
     self.load_s = time.perf_counter() - t0
@@ -113,6 +123,50 @@ class LLM:
     if self.mesh is not None and self.engine.store_spec is None and self.plan.prefix_store:
       self.plan = memory_plan(self.cfg, dtype, spec, self.mesh).check()  # the engine keeps no store
     self.logits_buckets = powers_of_two(self.cfg.max_context, MIN_PROMPT_BUCKET)
+
+  @classmethod
+  def from_weights(cls, config: ModelConfig, weights_tree, tokenizer, *, dtype: str | None = None, **kwargs) -> "LLM":
+    """An LLM over weights held in memory (just initialised, or being trained): `weights_tree` is
+    {parameter name: array} in jaxgen's layout (what `LLM.weights()` returns; from a Hugging Face
+    state dict: `jaxgen.checkpoints.hf.tree_from_hf`). Arrays already on their devices stay there
+    (on a mesh: those laid out as the rules table says are not copied). dtype: the weights'
+    (default: read from the tree); other keyword arguments as for `LLM(...)`."""
+    if dtype is None:
+      norm = weights_tree.get("final_norm") if hasattr(weights_tree, "get") else None
+      if norm is None:
+        raise ValueError("weights_tree has no 'final_norm' to read the dtype from: pass dtype=")
+      dtype = str(np.dtype(norm.dtype))
+    return cls(None, dtype=dtype, _weights=(config, weights_tree, tokenizer), **kwargs)
+
+  # --------------------------------------------------------------------------------- weights
+  def weights(self) -> dict[str, jax.Array]:
+    """The parameters the engine runs: {name: array} in jaxgen's layout, with their shardings
+    (int8 weights with their `_scale` arrays under quantization). The arrays are the engine's own:
+    read them, do not donate them."""
+    return flat_params(nnx.merge(self.engine.graphdef, self.engine.params))
+
+  def update_weights(self, weights_tree) -> None:
+    """Swaps in new parameters of the same names, shapes and dtypes; nothing recompiles.
+
+    Arrays already laid out like the current ones are used as they are (no copy); others move
+    device to device, host arrays are placed by the rules table. Under int8 quantization float
+    weights (without scales) are quantized on their device. A tree that differs is refused with a
+    ValueError naming the first differing name, shape or dtype, and the old weights stay in use.
+    Requests in flight are aborted (finish_reason "abort": their tokens so far came from the old
+    weights); the prefix cache is emptied. A draft model keeps its own weights (speculation stays
+    exact, it may accept fewer proposals).
+    """
+    eng = self.engine
+    current = self.weights()
+    values = check_tree(self.cfg, self.dtype, weights_tree, source="update_weights")
+    values = rules.place_tree(values, {name: x.sharding for name, x in current.items()})
+    for rid in list(eng.requests):
+      eng.abort(rid)
+    while eng.has_unfinished():
+      eng.step()
+    flat = nnx.to_flat_state(eng.params)
+    eng.params = nnx.from_flat_state([(path, var.replace(values[path_str(path)])) for path, var in flat])
+    eng.reset_prefix_cache()
 
   # ------------------------------------------------------------------------------------- scoring
   def logits(self, token_ids_: Sequence[int]) -> np.ndarray:

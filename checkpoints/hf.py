@@ -319,6 +319,27 @@ def read_hf(path: str, progress: Callable[[int], None] | None = None) -> tuple[M
   return cfg, fuse(cfg, arrays, repr(path), names=origin)
 
 
+def tree_from_hf(config: Mapping[str, Any], tensors: Mapping[str, Any],
+                 source: str = "<tensors>") -> tuple[ModelConfig, dict[str, np.ndarray]]:
+  """An HF model in memory -> (config, jaxgen's {name: array} tree), as `read_hf` reads one from disk.
+
+  config: the config.json dict (e.g. `model.config.to_dict()`); tensors: {HF tensor name: array}
+  (e.g. a transformers state dict as numpy). Tensors outside the text decoder (a vision tower) are
+  skipped; a missing or unknown one is a ValueError naming it.
+  """
+  cfg = config_from_hf(config, source)
+  fam = _family(config, source)
+  names, missing = _jaxgen_names(fam, cfg, tensors)
+  if missing:
+    raise ValueError(f"{source}: missing tensor {missing[0]!r} ({len(missing)} missing; the {fam.name} model needs them)")
+  unknown = sorted(k for k in tensors if k not in names and not k.startswith(fam.skip)
+                   and not (cfg.tie_embeddings and k in fam.lm_head))
+  if unknown:
+    raise ValueError(f"{source}: tensor {unknown[0]!r} has no place in the {fam.name} model ({len(unknown)} such tensors)")
+  arrays = {names[k]: np.asarray(v) for k, v in tensors.items() if k in names}
+  return cfg, fuse(cfg, arrays, source, names={names[k]: k for k in tensors if k in names})
+
+
 def _all_keys(files: Mapping[str, list[str]]) -> list[str]:
   keys = []
   for file in files:

@@ -162,6 +162,18 @@ def tokenizer_from_gguf(reader: "gguf.GGUFReader") -> Tokenizer:
                    chat_template=field("tokenizer.chat_template"))
 
 
+def byte_tokenizer() -> Tokenizer:
+  """A byte-level tokenizer of 259 ids (0 pad, 1 eos, 2 bos, then one per byte): for small models
+  built from a config (tests, examples) that still need real text in and out."""
+  alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+  specials = ["<pad>", "<eos>", "<bos>"]
+  backend = Backend(models.BPE({t: i for i, t in enumerate(specials + alphabet)}, [], fuse_unk=False))
+  backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+  backend.decoder = decoders.ByteLevel()
+  backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+  return Tokenizer(backend, bos_id=2, eos_id=1, pad_id=0, add_bos=True)
+
+
 def byte_level_backend(tokens: list[str], types: list[int], merges: list[str], split: str | None, *,
                        special_ids: Iterable[int] = ()) -> Backend:
   """A `tokenizers` byte-level BPE from GGUF tokens and "left right" merges; words cut by `split`

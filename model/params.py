@@ -97,3 +97,63 @@ def build_model(cfg: ModelConfig, arrays: Mapping[str, np.ndarray], dtype, sourc
       values[scale_name] = place(scale_name, scale)
     values[name] = place(name, x.astype(spec.dtype, copy=False))
   return assemble(cfg, dtype, values)
+
+
+def check_tree(cfg: ModelConfig, dtype, tree: Mapping[str, jax.Array | np.ndarray],
+               source: str = "tree") -> dict[str, jax.Array | np.ndarray]:
+  """A {name: array} tree checked against the declared parameters: every name, shape and dtype
+  (ValueError naming the first that differs). Under int8 quantization a weight given in float
+  (without its `_scale`) is quantized here, on its device (`quant.quantize`)."""
+  specs = param_specs(cfg, dtype)
+  scales = {n for n in specs if n.endswith(quant.SCALE_SUFFIX)}
+  if not isinstance(tree, Mapping):
+    raise ValueError(f"{source} is a {type(tree).__name__}: give a mapping {{parameter name: array}} (as LLM.weights())")
+  for name in specs:
+    if name not in tree and name not in scales:
+      raise ValueError(f"{source} lacks parameter {name!r} (shape {specs[name].shape}, dtype {specs[name].dtype})")
+  for name in tree:
+    if name not in specs:
+      raise ValueError(f"{source} has {name!r}, which the {cfg.family} model does not have")
+  out = {}
+  for name, spec in specs.items():
+    if name in scales:
+      continue
+    x = tree[name]
+    if tuple(x.shape) != spec.shape:
+      raise ValueError(f"{source}[{name!r}] has shape {tuple(x.shape)}, expected {spec.shape}")
+    scale_name = name + quant.SCALE_SUFFIX
+    if scale_name in specs and np.dtype(x.dtype) != np.int8:  # a float weight of an int8 model
+      if scale_name in tree:
+        raise ValueError(f"{source}[{scale_name!r}] is given with a float {name!r}: give int8 values with "
+                         "their scales, or the float weight alone (it is quantized on its device)")
+      out[name], out[scale_name] = _quantize(jnp.asarray(x))
+      continue
+    if np.dtype(x.dtype) != np.dtype(spec.dtype):
+      raise ValueError(f"{source}[{name!r}] has dtype {np.dtype(x.dtype)}, expected {np.dtype(spec.dtype)}")
+    out[name] = x
+    if scale_name in specs:
+      if scale_name not in tree:
+        raise ValueError(f"{source}[{name!r}] is int8 but {scale_name!r} is missing")
+      scale, want = tree[scale_name], specs[scale_name]
+      if tuple(scale.shape) != want.shape or np.dtype(scale.dtype) != np.dtype(want.dtype):
+        raise ValueError(f"{source}[{scale_name!r}] is {np.dtype(scale.dtype)}{tuple(scale.shape)}, expected "
+                         f"{np.dtype(want.dtype)}{want.shape}")
+      out[scale_name] = scale
+  return out
+
+
+_quantize = jax.jit(quant.quantize)
+
+
+def logits_fn(cfg: ModelConfig, dtype) -> Callable:
+  """A pure function (tree {name: array}, tokens [B, T]) -> float32 logits [B, T, V]: one uncached
+  forward pass on the plain XLA path, differentiable, for training and scoring in user code
+  (the tree is what `LLM.weights()` returns and `LLM.update_weights` takes)."""
+
+  def forward(tree, tokens):
+    model = assemble(cfg, dtype, tree)
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    hidden, _ = model(tokens, positions)
+    return model.logits(hidden)
+
+  return forward

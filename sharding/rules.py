@@ -129,6 +129,13 @@ def placer(shardings: Mapping[str, NamedSharding]):
   return place
 
 
+def place_tree(values: Mapping, shardings: Mapping[str, jax.sharding.Sharding]) -> dict[str, jax.Array]:
+  """Each value committed to its sharding. A jax.Array already laid out so is kept where it is (no
+  copy, no host round trip); one laid out otherwise moves device to device; a host array sends
+  each device only its shard."""
+  return {name: jax.device_put(x, shardings[name]) for name, x in values.items()}
+
+
 # -------------------------------------------------------------------------------- other trees
 def tree_shardings(shapes, axes, mesh: Mesh | MeshConfig, prefix: str = ""):
   """NamedShardings for a tree of ShapeDtypeStructs, given the same tree of logical-axis tuples.
