@@ -9,6 +9,7 @@ abstract model. Specs, shardings and restore targets all come from `param_specs`
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable, Mapping
 
 import jax
@@ -38,6 +39,12 @@ def abstract_model(cfg: ModelConfig, dtype) -> Transformer:
 
 def param_specs(cfg: ModelConfig, dtype) -> dict[str, ParamSpec]:
   """{name: ParamSpec} for every parameter, derived from the module code."""
+  return dict(_param_specs(cfg, jnp.dtype(dtype)))
+
+
+@functools.lru_cache(maxsize=16)
+def _param_specs(cfg: ModelConfig, dtype) -> dict[str, ParamSpec]:
+  # Tracing the model's construction costs a few hundred ms; loads, plans and weight swaps ask often.
   _, state = nnx.split(abstract_model(cfg, dtype))
   out = {}
   for path, var in nnx.to_flat_state(state):
