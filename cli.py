@@ -98,7 +98,7 @@ def cmd_generate(a) -> int:
   main_process = distributed.is_main()
   if llm.plan is not None and main_process and not a.quiet:
     print(llm.plan, file=sys.stderr)
-  warm_s = llm.warmup() if not a.no_warmup else 0.0
+  warm_s = llm.warmup() if a.warmup else 0.0
   prompt = a.prompt if a.prompt is not None else DEFAULT_PROMPT
   params = sampling_params(a)
   start = time.perf_counter()
@@ -114,7 +114,9 @@ def cmd_generate(a) -> int:
     return 0
   if not a.quiet:
     spec = llm.engine.spec
-    print(f"# loaded in {load_s:.1f} s, warm-up (compile or compilation-cache hits) {warm_s:.1f} s; KV cache "
+    t = llm.timings
+    print(f"# loaded in {load_s:.1f} s (weights {t.get('read_s', 0):.1f} s, weight cache: {t.get('weight_cache')}; "
+          f"placed {t.get('place_s', 0):.1f} s), warm-up {warm_s:.1f} s; KV cache "
           f"{spec.total_bytes(llm.cfg) / 2**20:.0f} MiB: {spec.bytes_per_slot(llm.cfg) / 2**20:.1f} MiB per slot, "
           f"{spec.bytes_per_token(llm.cfg) / 1024:.1f} KiB per token", file=sys.stderr)
   sys.stdout.write(prompt)
@@ -208,7 +210,8 @@ def build_parser() -> argparse.ArgumentParser:
   model_args(g)
   sampling_args(g)
   g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
-  g.add_argument("--no-warmup", action="store_true", help="skip compiling every program up front")
+  g.add_argument("--warmup", action="store_true",
+                 help="compile every program up front (default: only what this prompt needs, on first use)")
   g.add_argument("--quiet", action="store_true")
   g.set_defaults(func=cmd_generate)
 

@@ -45,6 +45,10 @@ class LLM:
   program compiled, and max_batch must be a multiple of the data axis. Across several
   processes (`jaxgen.sharding.distributed.initialize`) every process makes the same calls; only
   process 0 gets outputs back (the others get empty lists and streams).
+  compilation_cache_dir: JAX's persistent compilation cache (default ~/.cache/jaxgen/xla, unless
+  the process set one up already; None or "" leaves JAX's setting alone): a later start finds its
+  programs compiled. A GGUF or HF model's converted weights are cached too (`checkpoints.cache`).
+  `self.timings` says where the start-up went.
   attention_impl, matmul_impl: "auto", "xla" (the plain formulation TPU and GPU run) or "cpu"
   (jaxgen's CPU kernels); `self.platform` says what was chosen and why.
   seed: seeds the draw of a seed for requests that give none (None: from the OS).
@@ -66,13 +70,14 @@ class LLM:
 
   def __init__(self, model: str | None = None, *, dtype: str = "float32", max_len: int = 2048,
                max_batch: int = 8, prefill_chunk: int | None = None, cache_dtype: str | None = None,
-               compilation_cache_dir: str | None = None, mesh: MeshConfig | jax.sharding.Mesh | None = None,
-               attention_impl: str = "auto", matmul_impl: str = "auto", seed: int | None = None,
+               compilation_cache_dir: str | None = DEFAULT_COMPILATION_CACHE,
+               mesh: MeshConfig | jax.sharding.Mesh | None = None, attention_impl: str = "auto", matmul_impl: str = "auto", seed: int | None = None,
                quantization: str | None = None, enable_prefix_caching: bool = True,
                prefix_cache_tokens: int | None = None, speculative_config=None, _weights=None):
     quant.check(quantization)
     spec_cfg = speculative.parse(speculative_config)  # a bad config is refused before any load
-    if compilation_cache_dir:
+    if compilation_cache_dir and not (compilation_cache_dir == DEFAULT_COMPILATION_CACHE
+                                      and jax.config.jax_compilation_cache_dir):  # a cache set up already stays
       jax.config.update("jax_compilation_cache_dir", compilation_cache_dir)
       jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     t0 = time.perf_counter()
@@ -83,8 +88,10 @@ class LLM:
     self.platform = resolve(quantization=quantization)  # bad options are refused before any load
     _warn_if_kernels_failed(self.platform)
     self.dtype = dtype
+    self.timings: dict = {}  # start-up by phase: read_s, place_s, weight_cache, engine_s (then warmup_s)
     if _weights is None:
-      self.cfg, self.model, self.tokenizer = source.load(model, dtype, mesh=self.mesh, quantization=quantization)
+      self.cfg, self.model, self.tokenizer = source.load(model, dtype, mesh=self.mesh, quantization=quantization,
+                                                         timings=self.timings)
     else:  # LLM.from_weights
       cfg, tree, self.tokenizer = _weights
       self.model = weights.from_tree(cfg, tree, dtype, mesh=self.mesh, quantization=quantization)
@@ -115,7 +122,7 @@ class LLM:
                          "an LLM from weights in memory can draft with itself or its first layers only")
       draft_model = draft.load(spec_cfg, self.model, model, self.tokenizer, dtype)
       draft_platform = resolve(quantization=draft_model.cfg.weight_quant)
-    self.load_s = time.perf_counter() - t0
+    t1 = time.perf_counter()
     self.engine = Engine(self.model, self.tokenizer, max_batch=max_batch, max_len=self.max_len,
                          platform=self.platform, shardings=shardings, seed=seed,
                          enable_prefix_caching=enable_prefix_caching, prefix_cache_tokens=prefix_cache_tokens,
@@ -123,6 +130,8 @@ class LLM:
     if self.mesh is not None and self.engine.store_spec is None and self.plan.prefix_store:
       self.plan = memory_plan(self.cfg, dtype, spec, self.mesh).check()  # the engine keeps no store
     self.logits_buckets = powers_of_two(self.cfg.max_context, MIN_PROMPT_BUCKET)
+    self.timings["engine_s"] = time.perf_counter() - t1
+    self.load_s = time.perf_counter() - t0
 
   @classmethod
   def from_weights(cls, config: ModelConfig, weights_tree, tokenizer, *, dtype: str | None = None, **kwargs) -> "LLM":
@@ -249,8 +258,10 @@ class LLM:
     return self.engine.reset_prefix_cache()
 
   def warmup(self) -> float:
-    """Compiles every program serving can need (`Engine.warmup`); returns seconds."""
-    return self.engine.warmup()
+    """Compiles every program serving can need (`Engine.warmup`); returns seconds. Without it,
+    each program compiles on first use (a persistent compilation cache makes that a lookup)."""
+    self.timings["warmup_s"] = self.engine.warmup()
+    return self.timings["warmup_s"]
 
 
 class Stream:

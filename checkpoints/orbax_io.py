@@ -59,7 +59,8 @@ def _nest(flat: Mapping[str, object]) -> dict:
   return tree
 
 
-def _tokenizer_meta(tokenizer) -> dict:
+def tokenizer_meta(tokenizer) -> dict:
+  """The special ids, flags and chat template a `Tokenizer` is rebuilt with (beside its tokenizer.json)."""
   return dict(bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, unk_id=tokenizer.unk_id,
               add_bos=tokenizer.add_bos, add_eos=tokenizer.add_eos, extra_stop_ids=sorted(tokenizer.stop_ids),
               chat_template=getattr(tokenizer, "chat_template", None))
@@ -80,7 +81,7 @@ def save(path: str, model, tokenizer, source: str = "") -> None:
   if odd:
     raise ValueError(f"parameters {odd[:3]} are not in the model's dtype {dtype}; a checkpoint holds one dtype")
   meta = dict(format=FORMAT, format_version=FORMAT_VERSION, dtype=str(dtype),
-              config=dataclasses.asdict(model.cfg), tokenizer=_tokenizer_meta(tokenizer), source=source,
+              config=dataclasses.asdict(model.cfg), tokenizer=tokenizer_meta(tokenizer), source=source,
               num_params=int(sum(np.prod(v.shape) for v in params.values())))
   _checkpointer().save(path, args=ocp.args.Composite(params=ocp.args.StandardSave(_nest(params)),
                                                      jaxgen=ocp.args.JsonSave(meta)))

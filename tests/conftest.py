@@ -30,6 +30,8 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _COMPILE_CACHE)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+# Converted weights (checkpoints.cache) likewise: shared by the session's loads, never the user's.
+os.environ.setdefault("JAXGEN_CACHE_DIR", tempfile.mkdtemp(prefix="jaxgen-test-cache-"))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 

@@ -25,7 +25,7 @@ def reference_tokens():
 
 
 def test_bare_options_run_generate_and_json_has_the_result(capsys, reference_tokens):
-  assert main([*COMMON, "--max-tokens", "6", "--ignore-eos", "--json", "--no-warmup", "The river bends"]) == 0
+  assert main([*COMMON, "--max-tokens", "6", "--ignore-eos", "--json", "The river bends"]) == 0
   out = json.loads(capsys.readouterr().out)
   assert out["prompt"] == "The river bends"
   assert (out["token_ids"], out["text"]) == reference_tokens
@@ -35,7 +35,7 @@ def test_bare_options_run_generate_and_json_has_the_result(capsys, reference_tok
 
 
 def test_generate_streams_the_text_and_reports_each_phase(capsys, reference_tokens):
-  assert main(["generate", *COMMON, "--max-tokens", "6", "--ignore-eos", "--no-warmup", "--quiet",
+  assert main(["generate", *COMMON, "--max-tokens", "6", "--ignore-eos", "--quiet",
                "The river bends"]) == 0
   cap = capsys.readouterr()
   assert cap.out == "The river bends" + reference_tokens[1] + "\n"
@@ -43,7 +43,7 @@ def test_generate_streams_the_text_and_reports_each_phase(capsys, reference_toke
 
 
 def test_bad_option_values_are_errors_not_tracebacks(capsys):
-  assert main([*COMMON, "--max-tokens", "0", "--no-warmup", "hi"]) == 2
+  assert main([*COMMON, "--max-tokens", "0", "hi"]) == 2
   assert "SamplingParams.max_tokens=0" in capsys.readouterr().err
   assert main(["generate", "--model", str(MODEL / "missing"), "hi"]) == 2
   assert "does not exist" in capsys.readouterr().err
@@ -87,7 +87,7 @@ def test_quantization_and_cache_dtype_options_reach_the_engine(capsys):
   want = llm.generate("The river bends", SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
                       use_tqdm=False)[0].token_ids
   assert main([*COMMON, "--quantization", "int8", "--cache-dtype", "int8", "--max-tokens", "6", "--ignore-eos",
-               "--json", "--no-warmup", "The river bends"]) == 0
+               "--json", "The river bends"]) == 0
   out = json.loads(capsys.readouterr().out)
   assert out["token_ids"] == want and (out["quantization"], out["cache_dtype"]) == ("int8", "int8")
 

@@ -1,0 +1,113 @@
+"""A cache of converted weights, so that only the first start pays for parsing and dequantizing.
+
+The first load of a GGUF file or Hugging Face directory in a given dtype (and quantization)
+writes what it built, the weights cast (and quantized) exactly as they are placed, to
+`<cache dir>/weights/<key>/` as one safetensors file, with the config and the tokenizer beside it.
+Later loads read that instead: no GGUF metadata parsing, no dequantization, no BPE rebuilding.
+
+key: a hash of the source's content fingerprint (size and the first and last MiB of each file,
+so a replaced file misses even at the same path), the dtype, the quantization and this format's
+version. Entries are written to a temporary directory and renamed into place (a crash or a
+concurrent writer leaves no half entry); an entry that cannot be read is ignored and rewritten.
+`JAXGEN_CACHE_DIR` moves the cache (default ~/.cache/jaxgen); `JAXGEN_WEIGHT_CACHE=0` turns it off.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from typing import Mapping
+
+import numpy as np
+from jaxgen.checkpoints.orbax_io import config_from_metadata, tokenizer_meta
+from jaxgen.checkpoints.tokenizer import Tokenizer
+from jaxgen.model.config import ModelConfig
+from safetensors import safe_open
+from safetensors.numpy import save_file
+from tokenizers import Tokenizer as Backend
+
+FORMAT_VERSION = 1
+_CHUNK = 1 << 20
+log = logging.getLogger("jaxgen.cache")
+
+
+def root() -> str:
+  return os.environ.get("JAXGEN_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "jaxgen")
+
+
+def enabled() -> bool:
+  return os.environ.get("JAXGEN_WEIGHT_CACHE", "1").lower() not in ("0", "false", "no", "off")
+
+
+def _fingerprint(h, file: str) -> None:
+  size = os.path.getsize(file)
+  h.update(f"{os.path.basename(file)}:{size}".encode())
+  with open(file, "rb") as f:
+    h.update(f.read(_CHUNK))
+    if size > 2 * _CHUNK:
+      f.seek(size - _CHUNK)
+      h.update(f.read(_CHUNK))
+
+
+def key(path: str, dtype, quantization: str | None) -> str:
+  """The entry name for `path` (a file, or a directory of files) built in `dtype` / `quantization`."""
+  h = hashlib.sha256(f"jaxgen-weights-v{FORMAT_VERSION}:{np.dtype(dtype)}:{quantization}".encode())
+  files = [path] if os.path.isfile(path) else sorted(
+      os.path.join(path, f) for f in os.listdir(path) if os.path.isfile(os.path.join(path, f)))
+  for file in files:
+    _fingerprint(h, file)
+  return h.hexdigest()[:32]
+
+
+def entry(path: str, dtype, quantization: str | None) -> str:
+  return os.path.join(root(), "weights", key(path, dtype, quantization))
+
+
+def read(directory: str) -> tuple[ModelConfig, dict[str, np.ndarray], Tokenizer] | None:
+  """(config, {name: host array}, tokenizer) of a cache entry; None when absent or unreadable."""
+  if not os.path.isdir(directory):
+    return None
+  try:
+    with open(os.path.join(directory, "meta.json")) as f:
+      meta = json.load(f)
+    if meta.get("format_version") != FORMAT_VERSION:
+      return None
+    tokenizer = Tokenizer(Backend.from_file(os.path.join(directory, "tokenizer.json")), **meta["tokenizer"])
+    with safe_open(os.path.join(directory, "weights.safetensors"), framework="numpy") as f:
+      arrays = {name: f.get_tensor(name) for name in f.keys()}
+    return config_from_metadata(meta), arrays, tokenizer
+  except Exception as e:  # a damaged or foreign entry is not an error: the source is read instead
+    log.warning("ignoring the unreadable weight cache entry %s (%s: %s)", directory, type(e).__name__, e)
+    return None
+
+
+def write(directory: str, cfg: ModelConfig, arrays: Mapping[str, np.ndarray], tokenizer: Tokenizer,
+          source: str) -> bool:
+  """Writes an entry atomically; False (and a log line) when it could not be written."""
+  parent = os.path.dirname(directory)
+  try:
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tmp-", dir=parent)
+  except OSError as e:
+    log.warning("the weight cache %s is not writable (%s); starts will not get faster", parent, e)
+    return False
+  try:
+    save_file({name: np.ascontiguousarray(x) for name, x in arrays.items()}, os.path.join(tmp, "weights.safetensors"))
+    tokenizer.backend.save(os.path.join(tmp, "tokenizer.json"))
+    meta = dict(format_version=FORMAT_VERSION, config=dataclasses.asdict(cfg), tokenizer=tokenizer_meta(tokenizer),
+                source=str(source))
+    with open(os.path.join(tmp, "meta.json"), "w") as f:
+      json.dump(meta, f)
+    if os.path.isdir(directory):  # an unreadable entry, or a concurrent writer that finished first
+      shutil.rmtree(directory, ignore_errors=True)
+    os.rename(tmp, directory)
+    return True
+  except Exception as e:  # a full disk or the like: this start is served all the same
+    log.warning("could not write the weight cache entry %s (%s: %s)", directory, type(e).__name__, e)
+    shutil.rmtree(tmp, ignore_errors=True)
+    return False

@@ -1,0 +1,85 @@
+"""The converted-weights cache (`checkpoints.cache`): a second load reads what the first wrote,
+bit for bit, without touching the source; misses, damage and an unwritable cache never fail a load."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+
+import numpy as np
+import pytest
+from jaxgen.checkpoints import cache, source
+from jaxgen.model.params import flat_params
+
+GGUF = pathlib.Path(__file__).parent / "data" / "gguf" / "gemma3.f32.gguf"
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+  monkeypatch.setenv("JAXGEN_CACHE_DIR", str(tmp_path / "cache"))
+  monkeypatch.delenv("JAXGEN_WEIGHT_CACHE", raising=False)
+  return tmp_path / "cache"
+
+
+def entries(cache_dir) -> list[str]:
+  d = cache_dir / "weights"
+  return sorted(p.name for p in d.iterdir()) if d.exists() else []
+
+
+def load(path, dtype="float32", quantization=None):
+  timings = {}
+  cfg, model, tokenizer = source.load(str(path), dtype, quantization=quantization, timings=timings)
+  return cfg, {k: np.asarray(v) for k, v in flat_params(model).items()}, tokenizer, timings
+
+
+@pytest.mark.parametrize("dtype,quantization", [("float32", None), ("bfloat16", None), ("float32", "int8")])
+def test_a_second_load_reads_the_cache_bit_for_bit_without_the_source(cache_dir, monkeypatch, dtype, quantization):
+  cfg, first, tok, t1 = load(GGUF, dtype, quantization)
+  assert t1["weight_cache"].startswith("miss (written") and len(entries(cache_dir)) == 1
+
+  def unread(*_, **__):
+    raise AssertionError("the source was read despite a cache entry")
+
+  monkeypatch.setattr(source, "read_arrays", unread)
+  cfg2, second, tok2, t2 = load(GGUF, dtype, quantization)
+  assert t2["weight_cache"] == "hit" and cfg2 == cfg
+  assert sorted(first) == sorted(second)
+  for k in first:
+    assert first[k].dtype == second[k].dtype and np.array_equal(first[k], second[k]), k
+  text = "Hello, world! <start_of_turn>"
+  assert tok2.encode(text) == tok.encode(text) and tok2.stop_ids == tok.stop_ids
+  assert tok2.chat_template == tok.chat_template
+
+
+def test_other_dtype_or_changed_file_is_a_miss(cache_dir, tmp_path):
+  load(GGUF)
+  load(GGUF, "bfloat16")
+  assert len(entries(cache_dir)) == 2
+  changed = tmp_path / "model.gguf"
+  shutil.copy(GGUF, changed)
+  with open(changed, "ab") as f:
+    f.write(b"\0" * 64)  # same path, new content: another key
+  assert cache.key(str(changed), "float32", None) != cache.key(str(GGUF), "float32", None)
+
+
+def test_a_damaged_entry_is_ignored_and_rewritten(cache_dir):
+  _, first, _, _ = load(GGUF)
+  (entry,) = entries(cache_dir)
+  weights = cache_dir / "weights" / entry / "weights.safetensors"
+  with open(weights, "r+b") as f:
+    f.truncate(os.path.getsize(weights) // 2)
+  _, again, _, t = load(GGUF)
+  assert t["weight_cache"].startswith("miss (written")
+  assert all(np.array_equal(first[k], again[k]) for k in first)
+  assert load(GGUF)[3]["weight_cache"] == "hit"
+
+
+def test_an_unwritable_or_disabled_cache_still_loads(tmp_path, monkeypatch):
+  blocker = tmp_path / "a-file"
+  blocker.write_text("not a directory")
+  monkeypatch.setenv("JAXGEN_CACHE_DIR", str(blocker / "cache"))
+  assert load(GGUF)[3]["weight_cache"] == "miss"
+  monkeypatch.setenv("JAXGEN_CACHE_DIR", str(tmp_path / "off"))
+  monkeypatch.setenv("JAXGEN_WEIGHT_CACHE", "0")
+  assert load(GGUF)[3]["weight_cache"] == "off" and not (tmp_path / "off").exists()
