@@ -114,7 +114,7 @@ def test_seeded_samples_do_not_depend_on_speculation_or_k():
   params = [SamplingParams(max_tokens=60, temperature=t, top_p=p, seed=s, ignore_eos=True, n=n)
             for t, p, s, n in ((0.01, 1.0, 1, 1), (0.03, 0.9, 2, 2), (1.0, 1.0, 3, 1), (0.3, 0.8, 4, 1))]
   plain = run(engine(None, slots=8), PROMPTS, params)
-  for spec in ("ngram:1", "ngram:4", {"method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_min": 1}):
+  for spec in ("ngram:1", {"method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_min": 1}):
     eng = engine(spec, slots=8)
     for x, y in zip(run(eng, PROMPTS, params), plain):
       assert_same(x, y)
@@ -208,20 +208,19 @@ def test_the_sampled_distribution_is_the_targets(top_p):
 
 @pytest.mark.slow
 def test_embedded_model_greedy_golden_prompts_are_token_for_token_plain(llm, golden):
-  """Gemma 3 270M on the golden prompts (one 1,177 tokens long, rings of 512 + 4 wrapped): 48
-  greedy tokens each, alone and all together with two seeded rows, equal plain decoding's."""
+  """Gemma 3 270M on the golden prompts (one 1,177 tokens long, rings of 512 + 4 wrapped): 40
+  greedy tokens each, all together with two seeded rows, equal plain decoding's. (Rows alone are
+  the tiny models' tests.)"""
   names = list(golden)
   prompts = [golden[n]["ids"].tolist() for n in names]
-  greedy = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
-  seeded = SamplingParams(max_tokens=48, temperature=0.7, seed=9, ignore_eos=True)
+  greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+  seeded = SamplingParams(max_tokens=40, temperature=0.7, seed=9, ignore_eos=True)
   plain = llm.generate(prompts + prompts[:2], [greedy] * len(prompts) + [seeded] * 2, use_tqdm=False)
   eng = Engine(llm.model, llm.tokenizer, max_batch=8, max_len=1536, prefill_chunk=256, platform=llm.platform,
                speculative_config="ngram:4", seed=0)
-  alone = [run(eng, [p], greedy)[0] for p in prompts]
   together = run(eng, prompts + prompts[:2], [greedy] * len(prompts) + [seeded] * 2)
-  for got in (alone, together):
-    for x, y in zip(got, plain):
-      assert x.token_ids == y.token_ids
+  for x, y in zip(together, plain):
+    assert x.token_ids == y.token_ids
   m = eng.metrics()
   assert m["spec_accepted_tokens"] > 20, m
 
@@ -277,7 +276,7 @@ def test_draft_model_seeded_samples_and_stops_hold(k):
   greedy = SamplingParams(max_tokens=70, temperature=0.0, ignore_eos=True)
   ref = run(engine(None), [PROMPTS[0]], greedy)[0]
   text = ref.outputs[0].text
-  cases = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (1, 2, 13)]
+  cases = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (1, 13)]
   cases += [SamplingParams(max_tokens=70, temperature=0.0, stop=[text[30:33]], ignore_eos=True),
             SamplingParams(max_tokens=60, temperature=0.05, top_p=0.9, seed=5, ignore_eos=True)]
   config = dict(DRAFT, num_speculative_tokens=k)
