@@ -23,6 +23,9 @@ from jaxgen.sharding import distributed
 from jaxgen.sharding.mesh import MeshConfig
 
 DEFAULT_PROMPT = "The three most important ideas in computer science are"
+BASE_MODEL_NOTE = ("the embedded Gemma 3 270M is a base model, not instruction-tuned: it continues text (asked a "
+                   "question it may repeat it) rather than answering; chat with an instruction-tuned checkpoint "
+                   "via --model (a GGUF file or HF directory of, e.g., gemma-3-270m-it)")
 
 
 def model_args(p: argparse.ArgumentParser) -> None:
@@ -143,6 +146,8 @@ def cmd_chat(a) -> int:
   params.validate(llm.cfg.vocab_size)
   if fmt.note:
     print(f"# note: {fmt.note}", file=sys.stderr)
+  if a.model is None:
+    print(f"# note: {BASE_MODEL_NOTE}", file=sys.stderr)
   print(f"# loaded in {llm.load_s:.1f} s; /reset starts over, /exit or Ctrl-D quits", file=sys.stderr)
   opening = [{"role": "system", "content": a.system}] if a.system else []
   messages = list(opening)

@@ -2,8 +2,10 @@
 
 The first load of a GGUF file or Hugging Face directory in a given dtype (and quantization)
 writes what it built, the weights cast (and quantized) exactly as they are placed, to
-`<cache dir>/weights/<key>/` as one safetensors file, with the config and the tokenizer beside it.
-Later loads read that instead: no GGUF metadata parsing, no dequantization, no BPE rebuilding.
+`<cache dir>/weights/<key>/` as one .npy file per array, with the config and the tokenizer beside
+them. Later loads map those files (numpy's memory-mapped .npy) instead: no GGUF metadata parsing,
+no dequantization, no BPE rebuilding, and no host copy: each array is read once, straight into
+its device buffer, and its mapping is dropped once placed.
 
 key: a hash of the source's content fingerprint (size and the first and last MiB of each file,
 so a replaced file misses even at the same path), the dtype, the quantization and this format's
@@ -23,15 +25,14 @@ import shutil
 import tempfile
 from typing import Mapping
 
+import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, for the entries' dtypes)
 import numpy as np
 from jaxgen.checkpoints.orbax_io import config_from_metadata, tokenizer_meta
 from jaxgen.checkpoints.tokenizer import Tokenizer
 from jaxgen.model.config import ModelConfig
-from safetensors import safe_open
-from safetensors.numpy import save_file
 from tokenizers import Tokenizer as Backend
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 _CHUNK = 1 << 20
 log = logging.getLogger("jaxgen.cache")
 
@@ -69,7 +70,8 @@ def entry(path: str, dtype, quantization: str | None) -> str:
 
 
 def read(directory: str) -> tuple[ModelConfig, dict[str, np.ndarray], Tokenizer] | None:
-  """(config, {name: host array}, tokenizer) of a cache entry; None when absent or unreadable."""
+  """(config, {name: memory-mapped host array}, tokenizer) of a cache entry; None when absent or
+  unreadable."""
   if not os.path.isdir(directory):
     return None
   try:
@@ -77,9 +79,13 @@ def read(directory: str) -> tuple[ModelConfig, dict[str, np.ndarray], Tokenizer]
       meta = json.load(f)
     if meta.get("format_version") != FORMAT_VERSION:
       return None
+    arrays = {}
+    for name, (dtype, shape) in meta["arrays"].items():
+      x = np.load(os.path.join(directory, "arrays", name + ".npy"), mmap_mode="r").view(np.dtype(dtype))
+      if x.shape != tuple(shape):
+        raise ValueError(f"{name} has shape {x.shape}, the entry says {tuple(shape)}")
+      arrays[name] = x
     tokenizer = Tokenizer(Backend.from_file(os.path.join(directory, "tokenizer.json")), **meta["tokenizer"])
-    with safe_open(os.path.join(directory, "weights.safetensors"), framework="numpy") as f:
-      arrays = {name: f.get_tensor(name) for name in f.keys()}
     return config_from_metadata(meta), arrays, tokenizer
   except Exception as e:  # a damaged or foreign entry is not an error: the source is read instead
     log.warning("ignoring the unreadable weight cache entry %s (%s: %s)", directory, type(e).__name__, e)
@@ -97,11 +103,13 @@ def write(directory: str, cfg: ModelConfig, arrays: Mapping[str, np.ndarray], to
     log.warning("the weight cache %s is not writable (%s); starts will not get faster", parent, e)
     return False
   try:
-    save_file({name: np.ascontiguousarray(x) for name, x in arrays.items()}, os.path.join(tmp, "weights.safetensors"))
+    os.makedirs(os.path.join(tmp, "arrays"))
+    for name, x in arrays.items():
+      np.save(os.path.join(tmp, "arrays", name + ".npy"), np.ascontiguousarray(x))
     tokenizer.backend.save(os.path.join(tmp, "tokenizer.json"))
     meta = dict(format_version=FORMAT_VERSION, config=dataclasses.asdict(cfg), tokenizer=tokenizer_meta(tokenizer),
-                source=str(source))
-    with open(os.path.join(tmp, "meta.json"), "w") as f:
+                source=str(source), arrays={n: (str(np.dtype(x.dtype)), list(x.shape)) for n, x in arrays.items()})
+    with open(os.path.join(tmp, "meta.json"), "w") as f:  # written last: an entry without it is no entry
       json.dump(meta, f)
     if os.path.isdir(directory):  # an unreadable entry, or a concurrent writer that finished first
       shutil.rmtree(directory, ignore_errors=True)

@@ -123,6 +123,7 @@ def load(path: str | None, dtype="float32", place: Callable[[str, np.ndarray], j
   t0 = time.perf_counter()
   if place is None:
     place = placer(param_shardings(cfg, dtype, mesh)) if mesh is not None else (lambda name, x: jnp.asarray(x))
-  model = assemble(cfg, dtype, {name: place(name, x) for name, x in values.items()})
+  placed = {name: place(name, values.pop(name)) for name in list(values)}  # each host copy dropped once placed
+  model = assemble(cfg, dtype, placed)
   timings["place_s"] = time.perf_counter() - t0
   return cfg, model, tokenizer

@@ -66,7 +66,7 @@ def test_other_dtype_or_changed_file_is_a_miss(cache_dir, tmp_path):
 def test_a_damaged_entry_is_ignored_and_rewritten(cache_dir):
   _, first, _, _ = load(GGUF)
   (entry,) = entries(cache_dir)
-  weights = cache_dir / "weights" / entry / "weights.safetensors"
+  weights = cache_dir / "weights" / entry / "arrays" / "layers.0.q.npy"
   with open(weights, "r+b") as f:
     f.truncate(os.path.getsize(weights) // 2)
   _, again, _, t = load(GGUF)
