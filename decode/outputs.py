@@ -7,6 +7,7 @@ seconds, time per output token and inter-token latencies. Compile time is never 
 from __future__ import annotations
 
 import dataclasses
+import html
 from typing import Any
 
 
@@ -109,3 +110,26 @@ class RequestOutput:
   @property
   def finish_reason(self) -> str | None:
     return self.outputs[0].finish_reason
+
+  def summary(self) -> str:
+    """One line: finish reason, tokens, and the two phases apart (TTFT, then time per token)."""
+    m = self.metrics
+    ttft = "-" if m.ttft_s is None else f"{m.ttft_s * 1e3:.0f} ms"
+    tpot = "-" if m.tpot_s is None else f"{m.tpot_s * 1e3:.1f} ms/token"
+    cached = "" if not self.num_cached_tokens else f" ({self.num_cached_tokens} from the prefix cache)"
+    reasons = ",".join(str(c.finish_reason) for c in self.outputs)
+    return (f"{len(self.prompt_token_ids)} prompt tokens{cached} -> {sum(len(c.token_ids) for c in self.outputs)} "
+            f"generated, finish_reason={reasons} | prefill: TTFT {ttft} | decode: {tpot}")
+
+  def __repr__(self) -> str:
+    text = self.outputs[0].text if self.outputs else ""
+    short = text if len(text) <= 60 else text[:57] + "..."
+    return f"RequestOutput(request_id={self.request_id!r}, text={short!r}, {self.summary()})"
+
+  def _repr_html_(self) -> str:
+    """A notebook's view: each sample's text and finish reason, then the phase figures."""
+    rows = "".join(f"<tr><td>{c.index}</td><td style='text-align:left;white-space:pre-wrap'>{html.escape(c.text)}</td>"
+                   f"<td>{c.finish_reason}</td><td>{len(c.token_ids)}</td></tr>" for c in self.outputs)
+    return (f"<div><b>RequestOutput</b> {html.escape(self.request_id)}: {html.escape(self.summary())}"
+            "<table><tr><th>#</th><th>text</th><th>finish_reason</th><th>tokens</th></tr>"
+            f"{rows}</table></div>")
