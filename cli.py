@@ -18,7 +18,7 @@ from jaxgen.checkpoints.chat import chat_format
 from jaxgen.checkpoints.convert import convert
 from jaxgen.decode.params import SamplingParams
 from jaxgen.llm import DEFAULT_COMPILATION_CACHE, LLM
-from jaxgen.model.platform import CACHE_DTYPES, CHOICES, DTYPES
+from jaxgen.model.platform import ATTENTION_CHOICES, CACHE_DTYPES, CHOICES, DTYPES
 from jaxgen.sharding import distributed
 from jaxgen.sharding.mesh import MeshConfig
 
@@ -42,7 +42,7 @@ def model_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--speculative", default=None, metavar="ngram:K",
                  help="speculative decoding: K tokens proposed by prompt lookup and verified in one step")
   p.add_argument("--no-prefix-caching", action="store_true", help="do not reuse the KV cache of earlier prompts")
-  p.add_argument("--attention-impl", default="auto", choices=CHOICES, help="attention kernel (see `jaxgen info`)")
+  p.add_argument("--attention-impl", default="auto", choices=ATTENTION_CHOICES, help="attention kernel (see `jaxgen info`)")
   p.add_argument("--matmul-impl", default="auto", choices=CHOICES, help="matmul kernel (see `jaxgen info`)")
   p.add_argument("--mesh", default=None, metavar="data=D,model=M",
                  help="split the model over devices: 'model' splits the weights, 'data' the slots; -1 = the rest")

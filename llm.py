@@ -50,7 +50,8 @@ class LLM:
   programs compiled. A GGUF or HF model's converted weights are cached too (`checkpoints.cache`).
   `self.timings` says where the start-up went.
   attention_impl, matmul_impl: "auto", "xla" (the plain formulation TPU and GPU run) or "cpu"
-  (jaxgen's CPU kernels); `self.platform` says what was chosen and why.
+  (jaxgen's CPU kernels); attention also "pallas" (the ragged Pallas kernel for TPU and GPU,
+  interpreted on CPU); `self.platform` says what was chosen and why.
   seed: seeds the draw of a seed for requests that give none (None: from the OS).
   quantization: None (weights in `dtype`) or "int8": projection and embedding weights stored int8
   on the device with a float32 scale per block of 32 inputs (`jaxgen.model.quant`; a GGUF's Q8_0
@@ -71,7 +72,8 @@ class LLM:
   def __init__(self, model: str | None = None, *, dtype: str = "float32", max_len: int = 2048,
                max_batch: int = 8, prefill_chunk: int | None = None, cache_dtype: str | None = None,
                compilation_cache_dir: str | None = DEFAULT_COMPILATION_CACHE,
-               mesh: MeshConfig | jax.sharding.Mesh | None = None, attention_impl: str = "auto", matmul_impl: str = "auto", seed: int | None = None,
+               mesh: MeshConfig | jax.sharding.Mesh | None = None, attention_impl: str = "auto",
+               matmul_impl: str = "auto", seed: int | None = None,
                quantization: str | None = None, enable_prefix_caching: bool = True,
                prefix_cache_tokens: int | None = None, speculative_config=None, _weights=None):
     quant.check(quantization)

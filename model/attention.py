@@ -10,6 +10,8 @@
   filled part does; chunk sizes and the operand order of the score matmul were measured on XLA:CPU.
 - "cpu": jaxgen's own kernel (`cpu_kernels.cache_attention`) folds limited float32 blocks in where
   they lie; every other block takes the "xla_chunked" path.
+- "pallas": a Pallas kernel (`pallas_kernels.cache_attention`) folds each row's cache up to that
+  row's own length (ragged); other blocks as the reference. For TPU and GPU; interpret mode on CPU.
 
 A block is a `KVBlock`: keys and values [B', K, S, H] of which the batch reads the rows `rows`
 (None: the first B), key positions [B, S] (-1: empty), and optionally `limit` (no key at index
@@ -25,7 +27,7 @@ from typing import Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
-from jaxgen.model import cpu_kernels, quant
+from jaxgen.model import cpu_kernels, pallas_kernels, quant
 from jaxgen.model.layers import NEG_INF, attention_mask
 
 
@@ -253,4 +255,30 @@ def attention_cpu(q, blocks, q_pos, window, softcap, platform=None):
   return _ungroup(run[2] / run[1], q)
 
 
-IMPLS: dict[str, Callable] = {"xla": attention_xla, "xla_chunked": attention_xla_chunked, "cpu": attention_cpu}
+# ---------------------------------------------------------------------------- Pallas (TPU, GPU)
+def attention_pallas(q, blocks, q_pos, window, softcap, platform=None):
+  """Limited blocks (a cache) through the Pallas kernel, each row read up to its own filled length
+  (`pallas_kernels.cache_attention`); the other blocks as the reference reads them. Interpret
+  mode on CPU."""
+  b, t, n, h = q.shape
+  kh = blocks[0].k.shape[1]
+  scores, weighted = _chunked_parts(q, softcap)
+  run = _start(q, kh, [blk for blk in blocks if blk.limit is None], q_pos, window, scores, weighted)
+  qg = _group(q, kh)
+  q_rows = jnp.repeat(q_pos, n // kh, axis=1)  # [B, T*G]
+  interpret = platform is None or platform.backend == "cpu"
+  for blk in blocks:
+    if blk.limit is None:
+      continue
+    index = jnp.arange(1, blk.pos.shape[1] + 1, dtype=jnp.int32)
+    filled = jnp.max(jnp.where(blk.pos >= 0, index, 0), axis=1)  # [B]: entries up to the row's last key
+    lengths = jnp.minimum(filled, blk.limit).astype(jnp.int32)
+    rows = jnp.arange(b, dtype=jnp.int32) if blk.rows is None else blk.rows.astype(jnp.int32)
+    run = pallas_kernels.cache_attention(run, qg, blk.k, blk.v, blk.pos, q_rows, lengths, rows, window=window,
+                                         softcap=softcap, k_scale=blk.k_scale, v_scale=blk.v_scale,
+                                         interpret=interpret)
+  return _ungroup(run[2] / run[1], q)
+
+
+IMPLS: dict[str, Callable] = {"xla": attention_xla, "xla_chunked": attention_xla_chunked, "cpu": attention_cpu,
+                              "pallas": attention_pallas}

@@ -23,6 +23,7 @@ from jaxgen.model import cpu_kernels
 DTYPES = ("float32", "bfloat16", "float16")
 CACHE_DTYPES = DTYPES + ("int8",)  # int8: with float32 scales per block of 16 (`model.kv`)
 CHOICES = ("auto", "xla", "cpu")  # what a user may ask for, per op
+ATTENTION_CHOICES = CHOICES + ("pallas",)  # attention also has a Pallas kernel (TPU, GPU; interpreted on CPU)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,13 +71,15 @@ def resolve(weight_dtype: str, *, cache_dtype: str | None = None, devices: int =
 
   matmul / attention: "auto" (the fastest that runs here), "xla" (the plain formulation: what TPU
   and GPU run; on CPU the float32 activations stay), or "cpu" (jaxgen's CPU kernels; a ValueError
-  where they cannot run). kernels: the CPU kernels' status (default: `cpu_kernels.status()`).
+  where they cannot run); attention also "pallas" (`pallas_kernels`; interpret mode on CPU).
+  "auto" keeps the plain formulation on TPU and GPU until the Pallas kernel has been measured
+  faster there (`benchmarks/accelerator.py`). kernels: the CPU kernels' status (default: `cpu_kernels.status()`).
   quantization: the weights' (`ModelConfig.weight_quant`): int8 weights take the CPU kernels'
   int8 matmul where they run, whatever `weight_dtype` (the dtype of norms and activations).
   """
-  for name, value in (("matmul", matmul), ("attention", attention)):
-    if value not in CHOICES:
-      raise ValueError(f"{name}_impl={value!r} is not supported; choose one of {list(CHOICES)}")
+  for name, value, choices in (("matmul", matmul, CHOICES), ("attention", attention, ATTENTION_CHOICES)):
+    if value not in choices:
+      raise ValueError(f"{name}_impl={value!r} is not supported; choose one of {list(choices)}")
   if weight_dtype not in DTYPES:
     raise ValueError(f"dtype={weight_dtype!r} is not supported; use one of {list(DTYPES)}")
   if cache_dtype is not None and cache_dtype not in CACHE_DTYPES:
@@ -87,9 +90,11 @@ def resolve(weight_dtype: str, *, cache_dtype: str | None = None, devices: int =
     for name, value in (("matmul", matmul), ("attention", attention)):
       if value == "cpu":
         raise ValueError(f"{name}_impl='cpu' needs the CPU backend; this process runs on {backend}")
-    return Platform(backend, kind, devices, None, cache_dtype or weight_dtype, prefill_chunk or 1024, "xla", "xla",
+    att, att_why = (("pallas", "asked for (attention_impl='pallas'): Pallas kernel, each row read to its length")
+                    if attention == "pallas" else ("xla", "plain XLA formulation over the whole cache"))
+    return Platform(backend, kind, devices, None, cache_dtype or weight_dtype, prefill_chunk or 1024, "xla", att,
                     (("matmul", f"plain XLA formulation: {weight_dtype} is native on {backend}"),
-                     ("attention", "plain XLA formulation over the whole cache")))
+                     ("attention", att_why)))
   cache_dtype = cache_dtype or "float32"
   if devices > 1:
     usable = cpu_kernels.Status(False, f"custom calls have no sharding rule; this engine spans {devices} devices")
@@ -112,6 +117,8 @@ def resolve(weight_dtype: str, *, cache_dtype: str | None = None, devices: int =
               + ("" if usable.available else f" (CPU kernels: {usable.reason})"))
   if attention == "xla":
     att, att_why = "xla", "asked for (attention_impl='xla'): the plain formulation over the whole cache"
+  elif attention == "pallas":
+    att, att_why = "pallas", "asked for (attention_impl='pallas'): the Pallas kernel in interpret mode (slow; tests)"
   elif usable.available and cache_dtype == "float32":
     att, att_why = "cpu", "CPU kernel reads a float32 cache in place up to its filled length"
   else:
