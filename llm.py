@@ -165,7 +165,7 @@ class LLM:
     ValueError naming the first differing name, shape or dtype, and the old weights stay in use.
     Requests in flight are aborted (finish_reason "abort": their tokens so far came from the old
     weights); the prefix cache is emptied. A draft model keeps its own weights (speculation stays
-    exact, it may accept fewer proposals).
+    exact, it may accept fewer proposals). Not while a server's engine loop owns the engine.
     """
     eng = self.engine
     current = self.weights()
@@ -177,6 +177,7 @@ class LLM:
       eng.step()
     flat = nnx.to_flat_state(eng.params)
     eng.params = nnx.from_flat_state([(path, var.replace(values[path_str(path)])) for path, var in flat])
+    self.model = nnx.merge(eng.graphdef, eng.params)  # the old arrays are no longer held here either
     eng.reset_prefix_cache()
 
   # ------------------------------------------------------------------------------------- scoring

@@ -7,9 +7,8 @@ them. Later loads map those files (numpy's memory-mapped .npy) instead: no GGUF 
 no dequantization, no BPE rebuilding, and no host copy: each array is read once, straight into
 its device buffer, and its mapping is dropped once placed.
 
-key: a hash of the source's content fingerprint (size and the first and last MiB of each file,
-so a replaced file misses even at the same path), the dtype, the quantization and this format's
-version. Entries are written to a temporary directory and renamed into place (a crash or a
+key: a hash of the source's fingerprint (each file's size, modification time and first and last
+MiB, so a file rewritten in place misses), the dtype, the quantization and this format's version. Entries are written to a temporary directory and renamed into place (a crash or a
 concurrent writer leaves no half entry); an entry that cannot be read is ignored and rewritten.
 `JAXGEN_CACHE_DIR` moves the cache (default ~/.cache/jaxgen); `JAXGEN_WEIGHT_CACHE=0` turns it off.
 """
@@ -46,8 +45,9 @@ def enabled() -> bool:
 
 
 def _fingerprint(h, file: str) -> None:
-  size = os.path.getsize(file)
-  h.update(f"{os.path.basename(file)}:{size}".encode())
+  st = os.stat(file)
+  size = st.st_size
+  h.update(f"{os.path.basename(file)}:{size}:{st.st_mtime_ns}".encode())
   with open(file, "rb") as f:
     h.update(f.read(_CHUNK))
     if size > 2 * _CHUNK:
@@ -111,8 +111,11 @@ def write(directory: str, cfg: ModelConfig, arrays: Mapping[str, np.ndarray], to
                 source=str(source), arrays={n: (str(np.dtype(x.dtype)), list(x.shape)) for n, x in arrays.items()})
     with open(os.path.join(tmp, "meta.json"), "w") as f:  # written last: an entry without it is no entry
       json.dump(meta, f)
-    if os.path.isdir(directory):  # an unreadable entry, or a concurrent writer that finished first
-      shutil.rmtree(directory, ignore_errors=True)
+    if os.path.isdir(directory):
+      if read(directory) is not None:  # a concurrent writer finished first: keep its entry
+        shutil.rmtree(tmp, ignore_errors=True)
+        return True
+      shutil.rmtree(directory, ignore_errors=True)  # an unreadable entry
     os.rename(tmp, directory)
     return True
   except Exception as e:  # a full disk or the like: this start is served all the same

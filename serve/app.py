@@ -67,7 +67,7 @@ def create_app(llm: LLM, *, model_name: str = EMBEDDED_NAME, max_queue: int = 25
   async def lifespan(app: FastAPI):
     loop.start()
     yield
-    loop.stop(timeout=60)
+    await asyncio.to_thread(loop.stop, 60)  # the join must not hold the event loop
 
   app = FastAPI(title="jaxgen", lifespan=lifespan)
   app.state.loop, app.state.metrics, app.state.llm = loop, metrics, llm
@@ -158,11 +158,16 @@ async def _events(job: "_Job", responder: Responder) -> AsyncIterator[str]:
   """Server-sent events: a chunk per update, the usage chunk when asked, then [DONE]."""
   finals: dict[int, object] = {}
   try:
-    async for p, out in job.updates(None):
-      if out.finished:
-        finals[p] = out
-      for chunk in responder.chunks(p, out):
-        yield f"data: {json.dumps(chunk)}\n\n"
+    try:
+      async for p, out in job.updates(None):
+        if out.finished:
+          finals[p] = out
+        for chunk in responder.chunks(p, out):
+          yield f"data: {json.dumps(chunk)}\n\n"
+    except ApiError as e:  # the headers went out already: the error travels as an event
+      yield f"data: {json.dumps(e.body())}\n\n"
+      yield "data: [DONE]\n\n"
+      return
     if responder.include_usage:
       yield f"data: {json.dumps(responder.usage_chunk([finals[p] for p in sorted(finals)]))}\n\n"
     yield "data: [DONE]\n\n"
@@ -196,21 +201,26 @@ class _Job:
   async def updates(self, disconnected: Callable | None) -> AsyncIterator[tuple[int, object]]:
     """(prompt index, output) per update until every request finished. A request past its deadline,
     or whose client is gone (`disconnected()` polled each second), is aborted: its last output says so."""
-    aborted = False
+    aborted, polled = False, time.monotonic()
     while len(self.finished) < self.n:
-      wait = 1.0 if disconnected is not None else None
+      now = time.monotonic()
+      if disconnected is not None and now - polled >= 1.0:  # time-based: updates may never pause
+        polled = now
+        if await disconnected():
+          self.abort()
+          return
+      if not aborted and now >= self.deadline:
+        self.abort()
+        aborted = True
+      wait = 1.0 if (disconnected is not None or aborted) else None
       if not aborted:
-        left = self.deadline - time.monotonic()
+        left = self.deadline - now
         wait = left if wait is None else min(wait, left)
       try:
         p, out, error = await asyncio.wait_for(self.queue.get(), timeout=None if wait is None else max(wait, 0.0))
       except asyncio.TimeoutError:
-        if not aborted and (time.monotonic() >= self.deadline):
-          self.abort()
-          aborted = True
-        elif disconnected is not None and await disconnected():
-          self.abort()
-          return
+        if aborted and not self.loop.alive:
+          raise ApiError(500, "the engine loop stopped") from None
         continue
       if error is not None:
         self.abort()
@@ -274,9 +284,14 @@ def run(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, *, log_level: s
   if on_bound is not None:
     on_bound(host, sock.getsockname()[1])
   server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=None))
+  previous = {}
   if threading.current_thread() is threading.main_thread():
     # uvicorn drains, then re-raises the signal it caught to the handler found before it: one that
     # does nothing lets a drained server return (and the process exit 0) instead of dying of it.
     for sig in (signal.SIGINT, signal.SIGTERM):
-      signal.signal(sig, lambda *_: None)
-  server.run(sockets=[sock])
+      previous[sig] = signal.signal(sig, lambda *_: None)
+  try:
+    server.run(sockets=[sock])
+  finally:
+    for sig, handler in previous.items():
+      signal.signal(sig, handler)

@@ -82,8 +82,8 @@ class EngineLoop:
         raise QueueFull(f"{self._accepted} requests are running or waiting; the limit is {self.capacity} "
                         "(max_batch + max_queue): retry later")
       self._accepted += len(prompts)
-    rids = [uuid.uuid4().hex for _ in prompts]
-    self._inbox.put(("add", rids, list(prompts), params, sink))
+      rids = [uuid.uuid4().hex for _ in prompts]
+      self._inbox.put(("add", rids, list(prompts), params, sink))  # under the lock: never behind a "stop"
     return rids
 
   def abort(self, rids: Sequence[str]) -> None:
@@ -103,7 +103,20 @@ class EngineLoop:
       self._thread.join(timeout)
 
   # ---------------------------------------------------------------------------- the loop thread
+  @property
+  def alive(self) -> bool:
+    return self._thread.is_alive()
+
   def _run(self) -> None:
+    try:
+      self._serve()
+    except BaseException as e:  # the loop itself failed: no request may wait for it forever
+      log.exception("the engine loop stopped")
+      self.close()
+      self._fail_all(e)
+      raise
+
+  def _serve(self) -> None:
     if self.warmup:
       try:
         self.engine.warmup()
@@ -168,12 +181,15 @@ class EngineLoop:
         self.on_finish(out)
     sink(i, snapshot(out), None)
 
-  def _fail_all(self, error: Exception) -> None:
+  def _fail_all(self, error: BaseException) -> None:
     for rid, (sink, i) in list(self._sinks.items()):
-      self.engine.abort(rid)
       del self._sinks[rid]
       self._release(1)
-      sink(i, None, error)
+      try:
+        self.engine.abort(rid)
+        sink(i, None, error)
+      except Exception:  # the event loop may be gone already
+        log.exception("could not report a failed request")
 
   def _release(self, n: int) -> None:
     with self._lock:

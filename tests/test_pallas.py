@@ -78,3 +78,22 @@ def test_embedded_model_reproduces_the_golden_continuations(golden):
     ids = golden[name]["ids"].tolist()
     out = llm.generate(ids, SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)[0]
     assert out.token_ids == golden[name]["greedy_ids"][:8].tolist(), name
+
+
+@pytest.mark.slow
+def test_the_device_check_script_is_green_on_cpu(tmp_path):
+  """benchmarks/accelerator.py --tiny: the script a lent TPU or GPU runs, kept working here."""
+  import json
+  import pathlib
+  import subprocess
+  import sys
+
+  script = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "accelerator.py"
+  out = tmp_path / "acc.json"
+  proc = subprocess.run([sys.executable, str(script), "--tiny", "--out", str(out)], capture_output=True, text=True,
+                        timeout=400)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  r = json.loads(out.read_text())
+  assert r["kernel_max_abs_diff"]["float32"] <= 1e-5 and r["kernel_max_abs_diff"]["bfloat16"] <= 2e-2
+  assert r["greedy_tokens_agree_xla_pallas"] is True
+  assert {d["batch"] for d in r["decode"]} == {1, 8, 64} and r["prefill"][0]["prompt_len"] == 2048
