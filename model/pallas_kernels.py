@@ -54,6 +54,9 @@ def _kernel(lengths_ref, rows_ref, q_pos_ref, q_ref, k_ref, v_ref, pos_ref, m_re
     if window is not None:
       visible &= q_pos[:, None] - k_pos[None, :] < window
     s = jnp.where(visible, s, NEG_INF)
+    # Entries past the row's length are never weighted; zero them so that whatever they hold
+    # (never written: not necessarily finite) cannot reach the sum as 0 * inf.
+    v = jnp.where((index < lengths_ref[b]).reshape(chunk, 1), v, 0.0)
     m_new = jnp.maximum(m, jnp.max(s, axis=-1, keepdims=True))
     p = jnp.exp(s - m_new)
     scale = jnp.exp(m - m_new)
