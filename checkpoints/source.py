@@ -56,17 +56,6 @@ def read_arrays(path: str, kind: str, progress: Callable[[int], None] | None = N
   return cfg, arrays, tokenizer
 
 
-def load_tokenizer(path: str | None = None):
-  """The tokenizer of a model source alone, its weights left unread (None: the embedded model's)."""
-  path = default_model_path() if path is None else os.fspath(path)
-  kind = source_kind(path)
-  if kind == "gguf":
-    return tokenizer_from_gguf(gguf._open(path))
-  if kind == "orbax":
-    return orbax_io.tokenizer_from_checkpoint(path, orbax_io.read_metadata(path))
-  return tokenizer_from_hf_dir(path)
-
-
 def load(path: str | None, dtype="float32", place: Callable[[str, np.ndarray], jax.Array] | None = None,
          mesh=None, progress: Callable[[int], None] | None = None, quantization: str | None = None,
          timings: dict | None = None):

@@ -235,14 +235,19 @@ def kernel_takes(q: jax.Array, blk: KVBlock) -> bool:
           and rows <= cpu_kernels.MAX_ROWS)
 
 
-def attention_cpu(q, blocks, q_pos, window, softcap, platform=None):
-  """Limited float32 blocks through the CPU kernel (read in place); the rest as "xla_chunked"."""
-  b, t, n, h = q.shape
+def _unlimited_first(q, blocks, q_pos, window, softcap):
+  """What the kernels' paths share: the running state after the blocks without a limit (read
+  whole), the grouped queries and each grouped row's position [B, T*G]."""
   kh = blocks[0].k.shape[1]
   scores, weighted = _chunked_parts(q, softcap)
   run = _start(q, kh, [blk for blk in blocks if blk.limit is None], q_pos, window, scores, weighted)
-  qg = _group(q, kh)
-  q_rows = jnp.repeat(q_pos, n // kh, axis=1)  # [B, T*G]
+  return kh, scores, weighted, run, _group(q, kh), jnp.repeat(q_pos, q.shape[2] // kh, axis=1)
+
+
+def attention_cpu(q, blocks, q_pos, window, softcap, platform=None):
+  """Limited float32 blocks through the CPU kernel (read in place); the rest as "xla_chunked"."""
+  b, t, n, h = q.shape
+  kh, scores, weighted, run, qg, q_rows = _unlimited_first(q, blocks, q_pos, window, softcap)
   for blk in blocks:
     if blk.limit is None:
       continue
@@ -261,11 +266,7 @@ def attention_pallas(q, blocks, q_pos, window, softcap, platform=None):
   (`pallas_kernels.cache_attention`); the other blocks as the reference reads them. Interpret
   mode on CPU."""
   b, t, n, h = q.shape
-  kh = blocks[0].k.shape[1]
-  scores, weighted = _chunked_parts(q, softcap)
-  run = _start(q, kh, [blk for blk in blocks if blk.limit is None], q_pos, window, scores, weighted)
-  qg = _group(q, kh)
-  q_rows = jnp.repeat(q_pos, n // kh, axis=1)  # [B, T*G]
+  kh, scores, weighted, run, qg, q_rows = _unlimited_first(q, blocks, q_pos, window, softcap)
   interpret = jax.default_backend() == "cpu"  # Pallas compiles only for TPU and GPU
   for blk in blocks:
     if blk.limit is None:

@@ -79,14 +79,13 @@ def create_app(llm: LLM, *, model_name: str = EMBEDDED_NAME, max_queue: int = 25
       metrics.rejected.labels(str(e.status)).inc()
     return JSONResponse(e.body(), status_code=e.status)
 
-  @app.middleware("http")
-  async def authorize(request: Request, call_next):
-    if api_key and request.url.path.startswith("/v1"):
+  def authorize(request: Request) -> None:
+    # A check in each /v1 route, not an HTTP middleware: Starlette's middleware wraps `receive`,
+    # and a request behind it no longer learns that its client disconnected.
+    if api_key:
       given = request.headers.get("authorization", "")
       if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-        return JSONResponse(ApiError(401, "missing or wrong API key (Authorization: Bearer <key>)", None,
-                                     "invalid_api_key").body(), status_code=401)
-    return await call_next(request)
+        raise ApiError(401, "missing or wrong API key (Authorization: Bearer <key>)", None, "invalid_api_key")
 
   @app.get("/health")
   async def health():
@@ -99,12 +98,14 @@ def create_app(llm: LLM, *, model_name: str = EMBEDDED_NAME, max_queue: int = 25
     return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
   @app.get("/v1/models")
-  async def models():
+  async def models(request: Request):
+    authorize(request)
     return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "jaxgen",
                                         "max_model_len": llm.max_len}]}
 
   @app.post("/v1/completions")
   async def completions(request: Request):
+    authorize(request)
     req = await _parse(request, CompletionRequest)
     _check_model(req.model, model_name)
     if req.echo:
@@ -121,6 +122,7 @@ def create_app(llm: LLM, *, model_name: str = EMBEDDED_NAME, max_queue: int = 25
 
   @app.post("/v1/chat/completions")
   async def chat_completions(request: Request):
+    authorize(request)
     req = await _parse(request, ChatRequest)
     _check_model(req.model, model_name)
     if fmt is None:

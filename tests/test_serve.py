@@ -74,11 +74,11 @@ def client(server):
   return openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=300)
 
 
-def post(server, path: str, body, key: str | None = KEY, **kw) -> httpx.Response:
+def post(server, path: str, body, key: str | None = KEY, timeout: float = 300) -> httpx.Response:
   headers = {"Authorization": f"Bearer {key}"} if key else {}
   content = body if isinstance(body, (str, bytes)) else json.dumps(body)
   return httpx.post(f"{server.url}{path}", content=content, headers={**headers, "content-type": "application/json"},
-                    timeout=300, **kw)
+                    timeout=timeout)
 
 
 def metric(server, name: str, labels: str = "") -> float:
@@ -198,6 +198,16 @@ def test_timeout_aborts_and_returns_what_was_made(server):
   choice = r.json()["choices"][0]
   assert r.status_code == 200 and choice["finish_reason"] == "abort" and 0 < r.json()["usage"]["completion_tokens"] < 1000
   settled(server)
+
+
+def test_a_non_streaming_client_that_leaves_frees_its_slot(server):
+  """Updates arrive every step, so the disconnect check must not wait for a quiet second."""
+  body = {"model": NAME, "prompt": "Count: 1, 2, 3,", "max_tokens": 1000, "ignore_eos": True}
+  aborted = metric(server, "jaxgen_requests_total", '{finish_reason="abort"}')
+  with pytest.raises(httpx.TimeoutException):
+    post(server, "/v1/completions", body, timeout=1.5)
+  settled(server, timeout=20)  # long before 1000 tokens
+  assert metric(server, "jaxgen_requests_total", '{finish_reason="abort"}') == aborted + 1
 
 
 # --------------------------------------------------------------------------------- load, faults
