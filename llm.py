@@ -117,12 +117,10 @@ class LLM:
       seed = distributed.same_seed(seed if seed is not None else np.random.SeedSequence().entropy % 2**63)
     draft_model = draft_platform = None
     if spec_cfg is not None and spec_cfg.method == "draft_model":
-      if self.mesh is not None:
-        raise ValueError("speculative_config method='draft_model' on a mesh is not supported yet; use 'ngram'")
       if _weights is not None and spec_cfg.model == "self" and spec_cfg.quantization not in (None, quantization):
         raise ValueError("speculative_config model='self' with other quantization needs a checkpoint to re-read; "
                          "an LLM from weights in memory can draft with itself or its first layers only")
-      draft_model = draft.load(spec_cfg, self.model, model, self.tokenizer, dtype)
+      draft_model = draft.load(spec_cfg, self.model, model, self.tokenizer, dtype, self.mesh)
       draft_platform = resolve(quantization=draft_model.cfg.weight_quant)
     t1 = time.perf_counter()
     self.engine = Engine(self.model, self.tokenizer, max_batch=max_batch, max_len=self.max_len,

@@ -31,19 +31,22 @@ from jaxgen.decode.cache import CacheSpec, KVCache, allocate
 from jaxgen.model import kv
 from jaxgen.model.platform import Platform
 from jaxgen.model.transformer import Transformer, first_layers
+from jaxgen.sharding import rules
 
 PROBE = "The quick brown fox, 1234 -- jumps! Über déjà vu."  # a draft's tokenizer must encode it alike
 
 
-def load(spec_cfg, target: Transformer, target_source: str | None, tokenizer, dtype: str) -> Transformer:
+def load(spec_cfg, target: Transformer, target_source: str | None, tokenizer, dtype: str,
+         mesh: jax.sharding.Mesh | None = None) -> Transformer:
   """The draft model a `SpecConfig` names: "self" is the target's own checkpoint (the target itself,
   re-read quantized when `quantization` asks for other weights); `draft_layers` keeps its first N
-  layers. A draft must share the target's vocabulary (ValueError naming the field otherwise)."""
+  layers. A draft must share the target's vocabulary (ValueError naming the field otherwise). On a
+  mesh a draft read from a checkpoint is placed shard by shard, as the target is."""
   q = spec_cfg.quantization
   if spec_cfg.model == "self":
-    draft = target if q in (None, target.cfg.weight_quant) else source.load(target_source, dtype, quantization=q)[1]
+    draft = target if q in (None, target.cfg.weight_quant) else source.load(target_source, dtype, mesh=mesh, quantization=q)[1]
   else:
-    _, draft, draft_tokenizer = source.load(spec_cfg.model, dtype, quantization=q)
+    _, draft, draft_tokenizer = source.load(spec_cfg.model, dtype, mesh=mesh, quantization=q)
     if draft.cfg.vocab_size != target.cfg.vocab_size:
       raise ValueError(f"speculative_config model={spec_cfg.model!r} has vocab_size={draft.cfg.vocab_size}; the "
                        f"target's is {target.cfg.vocab_size} (a draft must share the target's vocabulary)")
@@ -92,15 +95,30 @@ def move(cache: KVCache, src, dst) -> KVCache:
 class Drafter:
   """A draft model's cache and programs, driven by the engine (`Engine._draft_proposals`)."""
 
-  def __init__(self, model: Transformer, spec: CacheSpec, platform: Platform, k: int, prompt_buckets, row_buckets):
+  def __init__(self, model: Transformer, spec: CacheSpec, platform: Platform, k: int, prompt_buckets, row_buckets,
+               mesh: jax.sharding.Mesh | None = None):
     self.cfg, self.k = model.cfg, k
     self.graphdef, self.params = nnx.split(model)
     self.prompt_buckets, self.row_buckets = prompt_buckets, row_buckets
-    self.cache = allocate(model.cfg, spec)
     part = functools.partial
-    self._catch_up = jax.jit(part(catch_up, self.graphdef, platform=platform), donate_argnums=(1,))
-    self._propose = jax.jit(part(propose, self.graphdef, k=k, platform=platform), donate_argnums=(1,))
-    self._move = jax.jit(move, donate_argnums=(0,))
+    if mesh is None:
+      self.cache = allocate(model.cfg, spec)
+      self._catch_up = jax.jit(part(catch_up, self.graphdef, platform=platform), donate_argnums=(1,))
+      self._propose = jax.jit(part(propose, self.graphdef, k=k, platform=platform), donate_argnums=(1,))
+      self._move = jax.jit(move, donate_argnums=(0,))
+      return
+    # On a mesh the draft's weights and cache follow the rules table, as the target's do: its
+    # programs declare them, so nothing is gathered or moved between steps.
+    ps = rules.param_tree(self.params, rules.param_shardings(model.cfg, model.dtype, mesh))
+    cs = rules.tree_shardings(spec.shapes(model.cfg), spec.axes(model.cfg), mesh, "draft.")
+    rep = rules.replicated(mesh)
+    self.params = jax.device_put(self.params, ps)  # no copy for arrays laid out so already
+    self.cache = jax.jit(part(allocate, model.cfg, spec), out_shardings=cs)()
+    self._catch_up = jax.jit(part(catch_up, self.graphdef, platform=platform), donate_argnums=(1,),
+                             in_shardings=(ps, cs) + (rep,) * 4, out_shardings=cs)
+    self._propose = jax.jit(part(propose, self.graphdef, k=k, platform=platform), donate_argnums=(1,),
+                            in_shardings=(ps, cs) + (rep,) * 3, out_shardings=(cs, rep))
+    self._move = jax.jit(move, donate_argnums=(0,), in_shardings=(cs, rep, rep), out_shardings=cs)
 
   @property
   def num_programs(self) -> int:

@@ -224,14 +224,13 @@ class Engine:
     if model.cfg.vocab_size != self.cfg.vocab_size:
       raise ValueError(f"draft_model has vocab_size={model.cfg.vocab_size}; the target's is {self.cfg.vocab_size} "
                        "(a draft must share the target's vocabulary)")
-    if shardings is not None:
-      raise ValueError("speculative_config method='draft_model' on a mesh is not supported yet; use 'ngram'")
     if platform is None:
       same = model.cfg.weight_quant == self.cfg.weight_quant and model.dtype == self.graphdef_dtype
       platform = self.platform if same else resolve(str(model.dtype), cache_dtype=self.spec.dtype,
                                                     prefill_chunk=self.chunk, quantization=model.cfg.weight_quant)
-    # Its own rows, with the target's ring slack and dtype.
-    return draft.Drafter(model, self.spec, platform, self.spec_cfg.k, self.prompt_buckets, self.row_buckets)
+    # Its own rows, with the target's ring slack and dtype; on a mesh, laid out by the same rules.
+    mesh = None if shardings is None else jax.tree.leaves(shardings["state"])[0].mesh
+    return draft.Drafter(model, self.spec, platform, self.spec_cfg.k, self.prompt_buckets, self.row_buckets, mesh)
 
   # ----------------------------------------------------------------------------------- requests
   def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,

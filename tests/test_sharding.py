@@ -98,6 +98,14 @@ def test_int8_weights_and_cache_sharded_equal_one_device(tiny):
   assert got["allocated_kv"] <= 0.32 * got["float_kv"]
 
 
+def test_speculation_on_a_mesh_is_plain_decoding(tiny):
+  got = tiny["speculative"]
+  assert got["ngram"] == got["plain"] and got["draft"] == got["plain"]
+  assert got["ngram_drafted"] > 0 and got["draft_accepted"] > 0
+  assert got["draft_cache_spec"][1] == "model"  # [slots, kv heads, ...]: split as the target's cache
+  assert got["draft_weight_spec"] == got["target_weight_spec"] != [None, None, None]
+
+
 def test_bad_meshes_are_clear_errors_before_any_compile(tiny):
   errors = tiny["errors"]
   assert re.search(r"needs 16 devices but only 8", errors["too_large"])
@@ -411,6 +419,25 @@ def worker_tiny() -> dict:
       "store_spec": list(_spec(on.engine.store[0].k)), "cache_spec": list(_spec(on.engine.state.cache.layers[0].k)),
       "plan_store": on.plan.prefix_store, "allocated_store": _device0_bytes(on.engine.store),
       "budget_bytes": 20 * on.engine.store_spec.total_bytes(on.cfg) // on.engine.store_spec.blocks,
+  }
+
+  # Speculative decoding on a mesh: n-gram and a draft (the model's first 2 layers) give plain
+  # decoding's tokens; the draft's cache is split over kv heads as the target's is.
+  _use_tiny_model(_tiny_cfg())
+  repeat = [[5, 6, 7, 8, 9] * 6, [11, 12, 13] * 8 + [4]]
+  plain = LLM(None, **kw)
+  spec_kw = dict(kw, mesh=MeshConfig(data=2, model=4))
+  ngram = LLM(None, speculative_config="ngram:3", **spec_kw)
+  drafted = LLM(None, speculative_config={"method": "draft_model", "model": "self", "draft_layers": 2,
+                                          "num_speculative_tokens": 3}, **spec_kw)
+  result["speculative"] = {
+      "plain": _greedy(plain, repeat, 24)[0], "ngram": _greedy(ngram, repeat, 24)[0],
+      "draft": _greedy(drafted, repeat, 24)[0],
+      "ngram_drafted": ngram.engine.metrics()["spec_draft_tokens"],
+      "draft_accepted": drafted.engine.metrics()["spec_accepted_tokens"],
+      "draft_cache_spec": list(_spec(drafted.engine.drafter.cache.layers[0].k)),
+      "draft_weight_spec": list(_spec(drafted.engine.drafter.params["layers"][0]["q"][...])),
+      "target_weight_spec": list(_spec(drafted.model.layers[0].q[...])),
   }
   return result
 
