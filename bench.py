@@ -17,7 +17,7 @@ a shared 1,000-token prefix with 16 different 20-token questions submitted toget
 the first request, median TTFT of requests 2..16, wall time, prompt tokens prefilled), and a
 5-turn chat in the model's template (TTFT of each turn).
 
-`--speculative ngram:K` runs speculative decoding's scenarios instead, batch 1, plain decode and
+`--speculative ngram:K` (or draft_model:K, or a JSON config) runs speculative decoding's scenarios instead, batch 1, plain decode and
 speculation side by side: a prompt whose answer repeats its input (rewrite a function with one
 change) and an ordinary one (decode tokens/s, TPOT, acceptance, mean accepted length).
 """
@@ -32,6 +32,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jaxgen.checkpoints.chat import chat_format
 from jaxgen.checkpoints.source import default_model_path
 from jaxgen.decode.buckets import bucket
@@ -286,6 +287,8 @@ def bench_speculative(llm, spec: str, out_len: int) -> list[dict]:
   """Batch-1 decode with and without speculation on SPEC_RUNS (chat template; sampled runs seeded,
   so both give the same tokens)."""
   fmt = chat_format(llm.tokenizer)
+  drafter = llm.engine.drafter  # the draft `LLM(speculative_config=spec)` loaded, if the method uses one
+  draft_model = None if drafter is None else nnx.merge(drafter.graphdef, drafter.params)
   rows = []
   for name, temperature in SPEC_RUNS:
     params = SamplingParams(max_tokens=out_len, temperature=temperature, seed=0, stop_token_ids=sorted(fmt.stop_ids))
@@ -293,7 +296,7 @@ def bench_speculative(llm, spec: str, out_len: int) -> list[dict]:
     row = dict(prompt=name, temperature=temperature, prompt_tokens=len(ids), out_len=out_len)
     for config in (None, spec):
       eng = Engine(llm.model, llm.tokenizer, max_batch=1, max_len=llm.max_len, platform=llm.platform,
-                   speculative_config=config, enable_prefix_caching=False)
+                   speculative_config=config, enable_prefix_caching=False, draft_model=config and draft_model)
       eng.warmup()
       (out,), _ = _serve(eng, [ids], params)
       m = eng.metrics()

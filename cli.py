@@ -39,8 +39,11 @@ def model_args(p: argparse.ArgumentParser) -> None:
                  help="store the projection and embedding weights int8 (a float32 scale per block of 32)")
   p.add_argument("--cache-dtype", default=None, choices=CACHE_DTYPES,
                  help="KV cache dtype (default: the platform's)")
-  p.add_argument("--speculative", default=None, metavar="ngram:K",
-                 help="speculative decoding: K tokens proposed by prompt lookup and verified in one step")
+  p.add_argument("--speculative", default=None, metavar="METHOD:K",
+                 help="speculative decoding, K tokens verified in one step: ngram:K (prompt lookup), "
+                      "draft_model:K (the model itself as draft), or vLLM's JSON speculative_config, e.g. "
+                      "'{\"method\": \"draft_model\", \"model\": \"self\", \"draft_layers\": 6, "
+                      "\"num_speculative_tokens\": 4}'")
   p.add_argument("--no-prefix-caching", action="store_true", help="do not reuse the KV cache of earlier prompts")
   p.add_argument("--attention-impl", default="auto", choices=ATTENTION_CHOICES, help="attention kernel (see `jaxgen info`)")
   p.add_argument("--matmul-impl", default="auto", choices=CHOICES, help="matmul kernel (see `jaxgen info`)")

@@ -82,6 +82,17 @@ def test_bench_prefix_runs_both_scenarios_cache_off_and_on(capsys):
   assert all(t["cached_tokens"] > 0 for t in chat_on["turns"][1:])
 
 
+def test_bench_speculative_with_a_draft_model_config(capsys):
+  config = '{"method": "draft_model", "model": "self", "draft_layers": 1, "num_speculative_tokens": 3}'
+  assert main(["bench", *COMMON[:2], "--compilation-cache", "", "--speculative", config, "--quick", "--json"]) == 0
+  rows = json.loads(capsys.readouterr().out)["spec"]
+  assert [r["prompt"] for r in rows] == ["repeats its input", "ordinary text", "ordinary text"]
+  for r in rows:  # speculation changes no token; the draft proposed and the target scored
+    assert r["same_tokens"] and r["spec"]["generated"] == r["plain"]["generated"]
+    assert r["spec"]["mean_accepted_length"] >= 0 and r["speedup"] > 0
+  assert sum(r["spec"]["acceptance"] > 0 for r in rows) >= 1
+
+
 def test_quantization_and_cache_dtype_options_reach_the_engine(capsys):
   llm = LLM(str(MODEL), max_len=64, max_batch=1, seed=0, quantization="int8", cache_dtype="int8")
   want = llm.generate("The river bends", SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
