@@ -71,6 +71,20 @@ _TOP_NAMES = {"token_embd.weight": "embed", "output_norm.weight": "final_norm", 
 _PERMUTED_QK = ("llama", "mistral")
 
 
+class _Reader(gguf.GGUFReader):
+  """gguf's reader over a plain ndarray view of its memory map. np.memmap's bookkeeping on every
+  slice (it parses a field a few bytes at a time) made reading a 262k-token vocabulary's metadata
+  take 10 s; the view reads the same bytes in a quarter of the time, and tensors stay mapped."""
+
+  @property
+  def data(self) -> np.ndarray:
+    return self._data
+
+  @data.setter
+  def data(self, value) -> None:
+    self._data = np.asarray(value)  # the base class, sharing the map's memory
+
+
 def _open(path: str):
   if not os.path.exists(path):
     raise FileNotFoundError(f"model file {path!r} does not exist")
@@ -79,7 +93,7 @@ def _open(path: str):
   if magic != GGUF_MAGIC:
     raise ValueError(f"{path!r} is not a GGUF file: it starts with {magic!r}, expected {GGUF_MAGIC!r}")
   try:
-    return gguf.GGUFReader(path)
+    return _Reader(path)
   except Exception as e:  # the library raises bare ValueError/IndexError on corrupt files
     raise ValueError(f"{path!r}: GGUF file could not be read ({type(e).__name__}: {e})") from e
 

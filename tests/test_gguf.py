@@ -13,7 +13,12 @@ import pytest
 from conftest import tiny_model
 from flax import nnx
 from jaxgen import LLM
-from jaxgen.checkpoints.gguf import _jaxgen_name, config_from_gguf_metadata, metadata
+from jaxgen.checkpoints.gguf import (
+  _jaxgen_name,
+  _open,
+  config_from_gguf_metadata,
+  metadata,
+)
 from jaxgen.checkpoints.source import load
 from jaxgen.checkpoints.tokenizer import tokenizer_from_gguf
 
@@ -303,3 +308,20 @@ def test_a_pair_fused_from_mixed_types_is_dequantized_together():
   out = _same_kind_in_pairs({"layers.0.k": values, "layers.0.k_scale": scale, "layers.0.v": k}, 1)
   assert "layers.0.k_scale" not in out and out["layers.0.k"].dtype == np.float32
   np.testing.assert_array_equal(out["layers.0.k"], np.asarray(quant.dequantize(values, scale, np.float32)))
+
+
+@pytest.mark.parametrize("name", ["gemma3.f32.gguf", "qwen3.q8_0.gguf"])
+def test_the_fast_reader_reads_what_ggufs_own_reader_reads(name):
+  """`_open` reads through a plain view of the memory map (np.memmap's per-slice cost made the
+  embedded model's 262k-token metadata take 10 s); fields and tensors must be gguf's own."""
+  import gguf
+
+  path = str(DATA / "gguf" / name)
+  fast, ref = _open(path), gguf.GGUFReader(path)
+  assert type(fast.data) is np.ndarray and type(ref.data) is np.memmap
+  assert list(fast.fields) == list(ref.fields) and len(fast.fields) > 10
+  for key in ref.fields:
+    assert repr(fast.fields[key].contents()) == repr(ref.fields[key].contents()), key
+  assert [(t.name, t.tensor_type, t.shape.tolist()) for t in fast.tensors] == \
+         [(t.name, t.tensor_type, t.shape.tolist()) for t in ref.tensors]
+  assert all(np.array_equal(a.data, b.data) for a, b in zip(fast.tensors, ref.tensors))
