@@ -22,6 +22,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 from typing import Mapping
 
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, for the entries' dtypes)
@@ -92,16 +93,49 @@ def read(directory: str) -> tuple[ModelConfig, dict[str, np.ndarray], Tokenizer]
     return None
 
 
-def write(directory: str, cfg: ModelConfig, arrays: Mapping[str, np.ndarray], tokenizer: Tokenizer,
-          source: str) -> bool:
-  """Writes an entry atomically; False (and a log line) when it could not be written."""
+_writers: list[threading.Thread] = []
+
+
+def write(directory: str, cfg: ModelConfig, arrays: Mapping[str, np.ndarray], tokenizer: Tokenizer, source: str,
+          background: bool = False) -> bool:
+  """Writes an entry atomically; False (and a log line) when the cache is not writable.
+
+  background: the files are written on a thread, so the start that fills the cache serves while
+  they are written (a 1 GiB model takes seconds) instead of waiting for the disk. The thread
+  holds the host arrays until written, and the interpreter waits for it before exiting, so a
+  short command still leaves a complete entry. `wait()` joins this process's writes."""
+  tmp = _reserve(directory)
+  if tmp is None:
+    return False
+  if not background:
+    return _fill(tmp, directory, cfg, arrays, tokenizer, source)
+  thread = threading.Thread(target=_fill, args=(tmp, directory, cfg, dict(arrays), tokenizer, source),
+                            name="jaxgen-weight-cache-write")
+  thread.start()
+  _writers.append(thread)
+  return True
+
+
+def wait() -> None:
+  """Returns once every weight-cache write this process started has finished."""
+  while _writers:
+    _writers.pop().join()
+
+
+def _reserve(directory: str) -> str | None:
+  """A new temporary directory beside the entry; None (and a log line) when none can be made."""
   parent = os.path.dirname(directory)
   try:
     os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tmp-", dir=parent)
+    return tempfile.mkdtemp(prefix=".tmp-", dir=parent)
   except OSError as e:
     log.warning("the weight cache %s is not writable (%s); starts will not get faster", parent, e)
-    return False
+    return None
+
+
+def _fill(tmp: str, directory: str, cfg: ModelConfig, arrays: Mapping[str, np.ndarray], tokenizer: Tokenizer,
+          source: str) -> bool:
+  """Writes the entry's files into `tmp`, then renames it into place."""
   try:
     os.makedirs(os.path.join(tmp, "arrays"))
     for name, x in arrays.items():

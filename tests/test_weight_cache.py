@@ -6,6 +6,9 @@ from __future__ import annotations
 import os
 import pathlib
 import shutil
+import subprocess
+import sys
+import threading
 
 import numpy as np
 import pytest
@@ -24,19 +27,20 @@ def cache_dir(tmp_path, monkeypatch):
 
 def entries(cache_dir) -> list[str]:
   d = cache_dir / "weights"
-  return sorted(p.name for p in d.iterdir()) if d.exists() else []
+  return sorted(p.name for p in d.iterdir() if not p.name.startswith(".tmp-")) if d.exists() else []
 
 
 def load(path, dtype="float32", quantization=None):
   timings = {}
   cfg, model, tokenizer = source.load(str(path), dtype, quantization=quantization, timings=timings)
+  cache.wait()  # a miss writes its entry on a thread
   return cfg, {k: np.asarray(v) for k, v in flat_params(model).items()}, tokenizer, timings
 
 
 @pytest.mark.parametrize("dtype,quantization", [("float32", None), ("bfloat16", None), ("float32", "int8")])
 def test_a_second_load_reads_the_cache_bit_for_bit_without_the_source(cache_dir, monkeypatch, dtype, quantization):
   cfg, first, tok, t1 = load(GGUF, dtype, quantization)
-  assert t1["weight_cache"].startswith("miss (written") and len(entries(cache_dir)) == 1
+  assert t1["weight_cache"].startswith("miss (writing") and len(entries(cache_dir)) == 1
 
   def unread(*_, **__):
     raise AssertionError("the source was read despite a cache entry")
@@ -70,7 +74,7 @@ def test_a_damaged_entry_is_ignored_and_rewritten(cache_dir):
   with open(weights, "r+b") as f:
     f.truncate(os.path.getsize(weights) // 2)
   _, again, _, t = load(GGUF)
-  assert t["weight_cache"].startswith("miss (written")
+  assert t["weight_cache"].startswith("miss (writing")
   assert all(np.array_equal(first[k], again[k]) for k in first)
   assert load(GGUF)[3]["weight_cache"] == "hit"
 
@@ -83,3 +87,23 @@ def test_an_unwritable_or_disabled_cache_still_loads(tmp_path, monkeypatch):
   monkeypatch.setenv("JAXGEN_CACHE_DIR", str(tmp_path / "off"))
   monkeypatch.setenv("JAXGEN_WEIGHT_CACHE", "0")
   assert load(GGUF)[3]["weight_cache"] == "off" and not (tmp_path / "off").exists()
+
+
+def test_a_miss_serves_before_its_entry_is_written_and_the_entry_outlives_the_process(cache_dir, monkeypatch):
+  """The entry is written on a thread: the load returns first; the interpreter waits for it."""
+  release = threading.Event()
+  fill = cache._fill
+  monkeypatch.setattr(cache, "_fill", lambda *a: release.wait(60) and fill(*a))
+  timings = {}
+  source.load(str(GGUF), timings=timings)
+  assert timings["weight_cache"].startswith("miss (writing") and entries(cache_dir) == []
+  release.set()
+  cache.wait()
+  assert len(entries(cache_dir)) == 1
+  # A process that exits as soon as its load returns still leaves a complete entry.
+  other = cache_dir.parent / "other"
+  code = f"from jaxgen.checkpoints import source; source.load({str(GGUF)!r}, 'bfloat16')"
+  env = dict(os.environ, JAXGEN_CACHE_DIR=str(other))
+  subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=300)
+  (entry,) = entries(other)
+  assert cache.read(str(other / "weights" / entry)) is not None
