@@ -21,8 +21,8 @@ from jaxgen.decode.engine import MIN_PROMPT_BUCKET, Engine
 from jaxgen.decode.outputs import RequestOutput
 from jaxgen.decode.params import SamplingParams, token_ids
 from jaxgen.decode.steps import memory_plan, state_shardings
+from jaxgen.model import cpu_kernels, quant
 from jaxgen.model import platform as platforms
-from jaxgen.model import quant
 from jaxgen.model.config import ModelConfig
 from jaxgen.model.params import check_tree, flat_params, path_str
 from jaxgen.sharding import distributed, rules
@@ -87,8 +87,9 @@ class LLM:
     resolve = functools.partial(platforms.resolve, dtype, cache_dtype=cache_dtype, matmul=matmul_impl,
                                 attention=attention_impl, prefill_chunk=prefill_chunk,
                                 devices=1 if self.mesh is None else self.mesh.size)
-    self.platform = resolve(quantization=quantization)  # bad options are refused before any load
-    _warn_if_kernels_failed(self.platform)
+    if self.mesh is None or self.mesh.size == 1:
+      cpu_kernels.prepare()  # a first build of the CPU kernels runs while the weights are read
+    resolve(quantization=quantization, kernels=cpu_kernels.Status(True, "not yet known"))  # bad options: before any load
     self.dtype = dtype
     self.timings: dict = {}  # start-up by phase: read_s, place_s, weight_cache, engine_s (then warmup_s)
     if _weights is None:
@@ -98,8 +99,8 @@ class LLM:
       cfg, tree, self.tokenizer = _weights
       self.model = weights.from_tree(cfg, tree, dtype, mesh=self.mesh, quantization=quantization)
       self.cfg = self.model.cfg
-    if self.cfg.weight_quant != quantization:  # an orbax checkpoint saved int8 restores int8
-      self.platform = resolve(quantization=self.cfg.weight_quant)
+    self.platform = resolve(quantization=self.cfg.weight_quant)  # an orbax checkpoint saved int8 restores int8
+    _warn_if_kernels_failed(self.platform)
     self.max_len = min(max_len, self.cfg.max_context)
     spec = CacheSpec(slots=max_batch, max_len=self.max_len, dtype=self.platform.cache_dtype)
     self.plan, shardings = None, None

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import functools
 import hashlib
 import os
 import pathlib
@@ -28,6 +27,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -94,10 +94,24 @@ def probe(compiler: str | None = None, directory: pathlib.Path | None = None) ->
   return Status(True, f"built with {os.path.basename(compiler)}, AVX-512 BF16 present")
 
 
-@functools.cache
+_status: list[Status] = []  # probe()'s answer, once found
+_status_lock = threading.Lock()
+
+
 def status() -> Status:
-  """`probe()`, once per process (a process's CPU and its registered targets never change)."""
-  return probe()
+  """`probe()`, once per process (a process's CPU and its registered targets never change); waits
+  for a build `prepare()` started."""
+  with _status_lock:
+    if not _status:
+      _status.append(probe())
+    return _status[0]
+
+
+def prepare() -> None:
+  """Starts `status()` on a thread where it may have work to do: the first build runs a compiler
+  for seconds, in a process of its own, while the caller reads weights. Only on the CPU backend."""
+  if not _status and jax.default_backend() == "cpu":
+    threading.Thread(target=status, name="jaxgen-cpu-kernels", daemon=True).start()
 
 
 def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
