@@ -17,9 +17,10 @@ a shared 1,000-token prefix with 16 different 20-token questions submitted toget
 the first request, median TTFT of requests 2..16, wall time, prompt tokens prefilled), and a
 5-turn chat in the model's template (TTFT of each turn).
 
-`--speculative ngram:K` (or draft_model:K, or a JSON config) runs speculative decoding's scenarios instead, batch 1, plain decode and
-speculation side by side: a prompt whose answer repeats its input (rewrite a function with one
-change) and an ordinary one (decode tokens/s, TPOT, acceptance, mean accepted length).
+`--speculative ngram:K` (or draft_model:K, or a JSON config) runs speculative decoding's scenarios
+instead, batch 1, plain decode and speculation side by side: a prompt whose answer repeats its
+input (rewrite a function with one change) and an ordinary one (decode tokens/s, TPOT,
+acceptance, mean accepted length).
 """
 
 from __future__ import annotations

@@ -44,7 +44,8 @@ def load(spec_cfg, target: Transformer, target_source: str | None, tokenizer, dt
   mesh a draft read from a checkpoint is placed shard by shard, as the target is."""
   q = spec_cfg.quantization
   if spec_cfg.model == "self":
-    draft = target if q in (None, target.cfg.weight_quant) else source.load(target_source, dtype, mesh=mesh, quantization=q)[1]
+    same = q in (None, target.cfg.weight_quant)
+    draft = target if same else source.load(target_source, dtype, mesh=mesh, quantization=q)[1]
   else:
     _, draft, draft_tokenizer = source.load(spec_cfg.model, dtype, mesh=mesh, quantization=q)
     if draft.cfg.vocab_size != target.cfg.vocab_size:
@@ -101,24 +102,23 @@ class Drafter:
     self.graphdef, self.params = nnx.split(model)
     self.prompt_buckets, self.row_buckets = prompt_buckets, row_buckets
     part = functools.partial
+    kw = {"catch_up": {}, "propose": {}, "move": {}}
     if mesh is None:
       self.cache = allocate(model.cfg, spec)
-      self._catch_up = jax.jit(part(catch_up, self.graphdef, platform=platform), donate_argnums=(1,))
-      self._propose = jax.jit(part(propose, self.graphdef, k=k, platform=platform), donate_argnums=(1,))
-      self._move = jax.jit(move, donate_argnums=(0,))
-      return
-    # On a mesh the draft's weights and cache follow the rules table, as the target's do: its
-    # programs declare them, so nothing is gathered or moved between steps.
-    ps = rules.param_tree(self.params, rules.param_shardings(model.cfg, model.dtype, mesh))
-    cs = rules.tree_shardings(spec.shapes(model.cfg), spec.axes(model.cfg), mesh, "draft.")
-    rep = rules.replicated(mesh)
-    self.params = jax.device_put(self.params, ps)  # no copy for arrays laid out so already
-    self.cache = jax.jit(part(allocate, model.cfg, spec), out_shardings=cs)()
-    self._catch_up = jax.jit(part(catch_up, self.graphdef, platform=platform), donate_argnums=(1,),
-                             in_shardings=(ps, cs) + (rep,) * 4, out_shardings=cs)
-    self._propose = jax.jit(part(propose, self.graphdef, k=k, platform=platform), donate_argnums=(1,),
-                            in_shardings=(ps, cs) + (rep,) * 3, out_shardings=(cs, rep))
-    self._move = jax.jit(move, donate_argnums=(0,), in_shardings=(cs, rep, rep), out_shardings=cs)
+    else:
+      # On a mesh the draft's weights and cache follow the rules table, as the target's do: its
+      # programs declare them, so nothing is gathered or moved between steps.
+      ps = rules.param_tree(self.params, rules.param_shardings(model.cfg, model.dtype, mesh))
+      cs = rules.tree_shardings(spec.shapes(model.cfg), spec.axes(model.cfg), mesh, "draft.")
+      rep = rules.replicated(mesh)
+      self.params = jax.device_put(self.params, ps)  # no copy for arrays laid out so already
+      self.cache = jax.jit(part(allocate, model.cfg, spec), out_shardings=cs)()  # each device its own part
+      kw = {"catch_up": dict(in_shardings=(ps, cs) + (rep,) * 4, out_shardings=cs),
+            "propose": dict(in_shardings=(ps, cs) + (rep,) * 3, out_shardings=(cs, rep)),
+            "move": dict(in_shardings=(cs, rep, rep), out_shardings=cs)}
+    self._catch_up = jax.jit(part(catch_up, self.graphdef, platform=platform), donate_argnums=(1,), **kw["catch_up"])
+    self._propose = jax.jit(part(propose, self.graphdef, k=k, platform=platform), donate_argnums=(1,), **kw["propose"])
+    self._move = jax.jit(move, donate_argnums=(0,), **kw["move"])
 
   @property
   def num_programs(self) -> int:
