@@ -6,10 +6,11 @@ its large-matmul rate there), and attention over the cache in small chunks (each
 of the cache, plus per-op overhead at every step of the loop). `matmul` and `cache_attention` do
 those two jobs on AVX-512 (BF16) instructions, reading weights and cache where they lie.
 `int8_matmul` multiplies by int8 weights in blocks of 32 (`model.quant`) without the dequantized
-copy of the weight that XLA:CPU writes before a matmul of more than one row (any row count).
+copy of the weight that XLA:CPU writes before a matmul of more than one row (any row count), in
+integer dot products over activations split into two int8 parts per group of 4 (see the kernel).
 
 `status()` decides once per process, outside any trace, whether they can run here: an x86-64 CPU
-with AVX-512 BF16, a C++ compiler, `JAXGEN_CPU_KERNELS` not set to 0, and a build that succeeds.
+with AVX-512 BF16 and VNNI, a C++ compiler, `JAXGEN_CPU_KERNELS` not set to 0, and a build that succeeds.
 The shared library is built once per source and jaxlib version into the user's cache directory
 (`$XDG_CACHE_HOME/jaxgen`, default `~/.cache/jaxgen`) with the FFI headers jaxlib ships. The
 `Platform` chooses them (and says why not, when not); they have no sharding rule, so a
@@ -39,7 +40,7 @@ ATTENTION = "jaxgen_cache_attention"
 MAX_ROWS = 32  # rows a call takes: decode batches (matmul), query rows per kv head (attention);
 # from 64 matmul rows on, XLA's matmul is as fast (measured)
 _SOURCE = pathlib.Path(__file__).with_name("cpu_kernels.cc")
-_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]
+_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +78,7 @@ def probe(compiler: str | None = None, directory: pathlib.Path | None = None) ->
     return Status(False, "turned off by JAXGEN_CPU_KERNELS=0")
   machine = platform.machine().lower()
   if machine not in ("x86_64", "amd64"):
-    return Status(False, f"they are written for x86-64 (AVX-512 BF16); this machine is {machine}")
+    return Status(False, f"they are written for x86-64 (AVX-512 BF16 and VNNI); this machine is {machine}")
   compiler = compiler or os.environ.get("CXX") or shutil.which("g++") or shutil.which("clang++")
   if compiler is None:
     return Status(False, "no C++ compiler found to build them (install g++ or set CXX)", fault=True)
@@ -87,11 +88,11 @@ def probe(compiler: str | None = None, directory: pathlib.Path | None = None) ->
     detail = (getattr(e, "stderr", "") or str(e)).strip().splitlines()
     return Status(False, f"building them with {compiler} failed: {detail[-1][-300:] if detail else e}", fault=True)
   if not lib.jaxgen_bf16_matmul_supported():
-    return Status(False, "this CPU lacks AVX-512 BF16 instructions")
+    return Status(False, "this CPU lacks AVX-512 BF16 or VNNI instructions")
   jax.ffi.register_ffi_target(MATMUL, jax.ffi.pycapsule(lib.JaxgenBf16Matmul), platform="cpu")
   jax.ffi.register_ffi_target(INT8_MATMUL, jax.ffi.pycapsule(lib.JaxgenInt8Matmul), platform="cpu")
   jax.ffi.register_ffi_target(ATTENTION, jax.ffi.pycapsule(lib.JaxgenCacheAttention), platform="cpu")
-  return Status(True, f"built with {os.path.basename(compiler)}, AVX-512 BF16 present")
+  return Status(True, f"built with {os.path.basename(compiler)}, AVX-512 BF16 and VNNI present")
 
 
 _status: list[Status] = []  # probe()'s answer, once found

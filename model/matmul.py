@@ -98,7 +98,8 @@ def _matmul_cpu(x: jax.Array, w: jax.Array) -> jax.Array:
 
 # What serves a product with int8 weights (`quantization="int8"`), by the platform's matmul:
 INT8_IMPLS = {
-    "cpu": "jaxgen's int8 kernel (reads the int8 blocks as stored, float32 FMAs)",
+    "cpu": "jaxgen's int8 kernel (reads the int8 blocks as stored; VNNI dot products over activations "
+           "split into two int8 parts per group of 4)",
     "xla": "int8 blocks dequantized into the activations' dtype as the dot's operand (XLA fuses it "
            "into the dot on TPU and GPU)",
     "xla_cpu": "int8 blocks dequantized into the activations' dtype, then XLA:CPU's matmul",

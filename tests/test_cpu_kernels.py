@@ -35,7 +35,8 @@ def _fresh_rng():
 def _cpu_has_bf16_dots() -> bool:
   try:
     with open("/proc/cpuinfo") as f:
-      return "avx512_bf16" in f.read()
+      flags = f.read()
+      return "avx512_bf16" in flags and "avx512_vnni" in flags
   except OSError:
     return False
 
@@ -43,7 +44,7 @@ def _cpu_has_bf16_dots() -> bool:
 CAN_RUN = (platform.machine().lower() in ("x86_64", "amd64") and _cpu_has_bf16_dots()
            and (os.environ.get("CXX") or shutil.which("g++") or shutil.which("clang++")) is not None and jax.default_backend() == "cpu"
            and os.environ.get("JAXGEN_CPU_KERNELS", "1") != "0")
-needs_kernel = pytest.mark.skipif(not CAN_RUN, reason="needs x86-64 with AVX-512 BF16, a C++ compiler and XLA:CPU")
+needs_kernel = pytest.mark.skipif(not CAN_RUN, reason="needs AVX-512 BF16 and VNNI, a C++ compiler and XLA:CPU")
 
 
 def _bf16(shape, scale=1.0):
@@ -202,18 +203,67 @@ def test_no_compiler_shows_in_jaxgen_info_and_generation_still_runs(tmp_path):
 
 
 # ---------------------------------------------------------------------------------- int8 matmul
+def _int8_activations(x: np.ndarray) -> np.ndarray:
+  """The int8 kernel's rounding of float32 activations [M, K], written independently in numpy:
+  groups of 4 with step d = max |x| / 127, t = x * (127 / max |x|); hi = round(t),
+  lo = 2 * clip(round(128 * (t - hi)), -63, 63) (half to even throughout); x ~ d * (hi + lo / 256)."""
+  g = x.reshape(x.shape[0], -1, 4)
+  amax = np.abs(g).max(-1, keepdims=True)
+  with np.errstate(divide="ignore"):
+    inv = np.where(amax != 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+  t = (g * inv).astype(np.float32)
+  hi = np.rint(t)
+  lo = 2 * np.clip(np.rint((t - hi) * np.float32(128)), -63, 63)
+  assert np.all(np.abs(hi) <= 127) and np.all(np.abs(lo) <= 126)
+  d = (amax * (np.float32(1) / np.float32(127))).astype(np.float32)
+  return ((hi.astype(np.float64) + lo / 256.0) * d).reshape(x.shape)
+
+
+def _rounding_bound(x: np.ndarray, w64: np.ndarray) -> np.ndarray:
+  """What the int8 kernel's rounding of the activations may move x . w^T: each activation by at
+  most 1/128 of its group's step (max |x| / 127), times |w|."""
+  amax = np.abs(x.reshape(x.shape[0], -1, 4)).max(-1, keepdims=True)
+  step = np.broadcast_to(amax / (127.0 * 128.0), (x.shape[0], x.shape[1] // 4, 4)).reshape(x.shape)
+  return step.astype(np.float64) @ np.abs(w64).T
+
+
 @needs_kernel
 @pytest.mark.parametrize("m,n,k", [(1, 1, 32), (2, 5, 64), (4, 4, 640), (5, 9, 96), (17, 30, 1024), (32, 7, 2048)])
-def test_int8_kernel_matches_float64(m, n, k):
+def test_int8_kernel_matches_its_rounding_of_the_activations(m, n, k):
+  """Against float64 on the same int8 activations (tight: only the order of float32 sums differs),
+  and against the exact product within the activations' rounding bound. K = 32 and 96 end in half
+  of the kernel's 64-wide step; row 0 has an outlier 1000x the rest."""
   assert cpu_kernels.status().available  # builds and registers the kernels in this process
   x = RNG.normal(size=(m, k)).astype(np.float32)
+  x[0, 1] *= 1000.0
   values, scale = quant.quantize_np(RNG.normal(size=(n, k)).astype(np.float32) * 0.05)
   got = np.asarray(jax.jit(cpu_kernels.int8_matmul)(x, values, scale))
   w64 = (values.reshape(n, -1, 32).astype(np.float64) * scale[..., None]).reshape(n, k)
-  want = x.astype(np.float64) @ w64.T
-  bound = 1e-6 * (np.abs(x.astype(np.float64)) @ np.abs(w64).T) + 1e-30
+  rounded = _int8_activations(x)
+  want = rounded @ w64.T
+  bound = 1e-6 * (np.abs(rounded) @ np.abs(w64).T) + 1e-30
   assert got.dtype == np.float32 and got.shape == (m, n)
   assert np.all(np.abs(got - want) <= bound), float(np.max(np.abs(got - want) / bound))
+  exact = x.astype(np.float64) @ w64.T
+  assert np.all(np.abs(got - exact) <= 1.001 * _rounding_bound(x, w64) + bound)
+
+
+@needs_kernel
+def test_int8_kernel_takes_zero_rows_and_exact_cases():
+  """A zero activation row gives zeros (no 0/0); activations that are multiples of their group's
+  step (integers, max |x| = 127 in each group: lo = 0) and weights that are small integers with
+  power-of-two scales come out exact."""
+  assert cpu_kernels.status().available
+  k = 128
+  x = RNG.integers(-127, 128, size=(3, k)).astype(np.float32)
+  x.reshape(3, -1, 4)[..., 0] = 127.0
+  x[1] = 0.0
+  values = RNG.integers(-127, 128, size=(6, k)).astype(np.int8)
+  scale = np.full((6, k // 32), 0.25, np.float32)
+  got = np.asarray(jax.jit(cpu_kernels.int8_matmul)(x, values, scale))
+  want = x.astype(np.float64) @ (values.astype(np.float64) * 0.25).T
+  assert np.all(np.isfinite(got)) and np.all(got[1] == 0.0)
+  np.testing.assert_array_equal(got, want.astype(np.float32))
 
 
 @needs_kernel
@@ -226,6 +276,11 @@ def test_int8_products_take_the_kernel_where_the_blocks_are_32(rows, inputs, use
   values, scale = quant.quantize(jnp.asarray(RNG.normal(size=(48, inputs)), jnp.float32))
   hlo = jax.jit(lambda x, w, s: project(x, w, s, p)).lower(x, values, scale).as_text()
   assert (cpu_kernels.INT8_MATMUL in hlo) == uses
-  got = np.asarray(project(x, values, scale, p))
-  want = np.asarray(project(x, values, scale, platforms.REFERENCE))  # dequantize, then XLA's matmul
-  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  got = np.asarray(project(x, values, scale, p)).reshape(rows, -1)
+  want = np.asarray(project(x, values, scale, platforms.REFERENCE)).reshape(rows, -1)  # dequantize, XLA
+  if uses:  # the kernel rounds the activations to two int8 parts in groups of 4 (see the tests above)
+    w64 = np.asarray(quant.dequantize(values, scale, jnp.float32), np.float64)
+    x2 = np.asarray(x, np.float32).reshape(rows, -1)
+    assert np.all(np.abs(got - want) <= 1.001 * _rounding_bound(x2, w64) + 1e-5)
+  else:
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
