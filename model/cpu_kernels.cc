@@ -17,7 +17,7 @@
 //   float32 step per group of 4 (the 4 bytes one lane sums): each is off by at most 1/16256 of its
 //   group's max |x| (bf16 rounds to 1/512 of the value). One int8 part (llama.cpp's way) was 1.1x faster
 //   but moved the embedded model's golden top-1 agreement under the 98% bar; widening each weight
-//   to float32 for FMAs (the previous kernel) was 1.1-1.2x slower at one row. Same tiling as above.
+//   to float32 for FMAs (the previous kernel) was 1.05-1.2x slower at one row. Same tiling as above.
 //
 // jaxgen_cache_attention: folds the keys [0, limit) of a float32 KV cache block into a running
 //   softmax state (max, sum of exp, exp-weighted sum of values) for a few query rows per kv head,
