@@ -279,11 +279,14 @@ def test_metadata_reads_every_field(tmp_path):
 @pytest.mark.parametrize("name", [n for n in GGUF_FILES if ".q8_0." in n])
 def test_q8_0_weights_load_as_stored_into_int8_blocks(name):
   """quantization="int8" takes a Q8_0 file's blocks as they are: every int8 weight times its
-  scale equals gguf's own dequantization of the tensor exactly, so the logits are transformers'
-  on the same file."""
+  scale equals gguf's own dequantization of the tensor exactly, so the logits of the plain
+  formulation are transformers' on the same file. The CPU kernel rounds activations to two int8
+  parts per group (test_cpu_kernels.py bounds that per dot); through a whole model it stays
+  within 2e-3 of them."""
   import gguf
 
-  llm = LLM(str(DATA / "gguf" / name), max_len=128, max_batch=1, seed=0, quantization="int8")
+  llm = LLM(str(DATA / "gguf" / name), max_len=128, max_batch=1, seed=0, quantization="int8", matmul_impl="xla")
+  fast = LLM(str(DATA / "gguf" / name), max_len=128, max_batch=1, seed=0, quantization="int8")
   reader = gguf.GGUFReader(str(DATA / "gguf" / name))
   t = next(t for t in reader.tensors if t.name == "blk.1.ffn_down.weight")
   want = gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(int(d) for d in reversed(t.shape)))
@@ -295,6 +298,7 @@ def test_q8_0_weights_load_as_stored_into_int8_blocks(name):
   for i in range(len(record["prompts"])):
     ids = arrays[f"ids_{i}"].tolist()
     np.testing.assert_allclose(llm.logits(ids), arrays[f"logits_{i}"], atol=ATOL, rtol=0, err_msg=f"{name} prompt {i}")
+    np.testing.assert_allclose(fast.logits(ids), arrays[f"logits_{i}"], atol=2e-3, rtol=0, err_msg=f"{name} prompt {i}")
 
 
 def test_a_pair_fused_from_mixed_types_is_dequantized_together():
