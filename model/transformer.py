@@ -13,6 +13,7 @@ knows nothing of requests, slots or meshes: which cache rows a call covers is a 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -168,8 +169,12 @@ class Transformer(nnx.Module):
     """tokens, positions: [B, T] -> (hidden [B, T, D] after the final norm, new layer caches or None)."""
     x = self.embed_tokens(tokens, platform.compute_dtype(self.dtype))
     new = []
+    fresh = rows is not None and rows.fresh
+    rows = None if rows is None else rows._replace(fresh=False)
     for i, block in enumerate(self.layers):
-      x, layer = block(x, positions, platform, None if cache is None else cache[i], rows)
+      graphdef, state = nnx.split(block)
+      x, layer = _block(x, positions, state, None if cache is None else cache[i], rows, graphdef=graphdef,
+                        platform=platform, fresh=fresh)
       new.append(layer)
     hidden = L.rms_norm(x, self.final_norm[...], self.cfg.norm_eps, self.cfg.norm_offset)
     return hidden, None if cache is None else tuple(new)
@@ -181,6 +186,15 @@ class Transformer(nnx.Module):
     if self.cfg.final_softcap is not None:
       out = jnp.tanh(out / self.cfg.final_softcap) * self.cfg.final_softcap
     return out
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "platform", "fresh"))
+def _block(x, positions, state, cache, rows, *, graphdef, platform, fresh):
+  """One layer as a function of its arrays. Layers of one kind share its trace, so a model of L
+  layers is traced once per kind rather than L times (what start-up waits for, even when the
+  compiled program comes from the cache); XLA inlines the call, so it runs as written inline."""
+  block = nnx.merge(graphdef, state)
+  return block(x, positions, platform, cache, None if rows is None else rows._replace(fresh=fresh))
 
 
 def first_layers(model: Transformer, n: int) -> Transformer:
