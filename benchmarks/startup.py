@@ -5,7 +5,9 @@ streams 8 tokens. "fresh" runs with an empty home directory (no weight cache, no
 cache, the model's parts not yet assembled: a first start after `pip install`); "later" runs
 reuse that home, as every later start, notebook kernel restart or CLI call does. Reported per
 run: first token after the process was launched, `LLM()` construction, its phases
-(`LLM.timings`), and peak resident memory against the weights' bytes.
+(`LLM.timings`), the programs' tracing, lowering and compilation (or load from the persistent
+cache) until the first token (`jaxgen.decode.compiles`), and peak resident memory against the
+weights' bytes.
 
   python benchmarks/startup.py [--dtype float32] [--later 2] [--json]
 """
@@ -24,6 +26,7 @@ CHILD = r"""
 import json, resource, sys, time
 t0 = time.time()
 from jaxgen import LLM, SamplingParams
+from jaxgen.decode import compiles
 t1 = time.time()
 llm = LLM(dtype=sys.argv[1], max_len=512, max_batch=1)
 t2 = time.time()
@@ -31,7 +34,9 @@ first = None
 for _ in llm.stream("The capital of France is", SamplingParams(max_tokens=8, temperature=0)):
     first = first or time.time()
 weights = sum(x.nbytes for x in llm.weights().values())
-print(json.dumps(dict(t_import_start=t0, import_s=t1 - t0, llm_s=t2 - t1, t_first=first, timings=llm.timings,
+print(json.dumps(dict(t_import_start=t0, import_s=t1 - t0, llm_s=t2 - t1, first_s=first - t2, t_first=first,
+                      timings=llm.timings,
+                      programs=compiles.phases(),
                       peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, weights_bytes=weights)))
 """
 
@@ -70,8 +75,16 @@ def main() -> None:
     print(f"{'    ' + key:<24} {fresh['timings'].get(key, 0):7.1f}s {later['timings'].get(key, 0):7.1f}s")
   print(f"{'    weight cache':<24} {fresh['timings'].get('weight_cache', '').split(' ')[0]:>8} "
         f"{later['timings'].get('weight_cache', ''):>8}")
+  print(f"{'  then the first token':<24} {fresh['first_s']:7.1f}s {later['first_s']:7.1f}s")
+  for key in ("trace_s", "lower_s", "compile_s"):
+    print(f"{'    ' + key:<24} {fresh['programs'][key]:7.1f}s {later['programs'][key]:7.1f}s")
+  print(f"{'    compilation cache':<24} {_hits(fresh['programs']):>8} {_hits(later['programs']):>8}")
   print(f"{'peak memory':<24} {fresh['peak_rss'] / 2**30:6.2f}G {later['peak_rss'] / 2**30:6.2f}G "
         f"({later['peak_rss'] / later['weights_bytes']:.1f}x the weights, later)")
+
+
+def _hits(p: dict) -> str:
+  return f"{p['cache_hits']}/{p['cache_hits'] + p['cache_misses']} hit"
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ import pathlib
 
 import pytest
 from jaxgen import LLM, SamplingParams
-from jaxgen.cli import main
+from jaxgen.cli import main, programs_report
+from jaxgen.decode import compiles
 from safetensors import safe_open
 
 MODEL = pathlib.Path(__file__).parent / "data" / "hf" / "qwen3"
@@ -40,6 +41,20 @@ def test_generate_streams_the_text_and_reports_each_phase(capsys, reference_toke
   cap = capsys.readouterr()
   assert cap.out == "The river bends" + reference_tokens[1] + "\n"
   assert "[prefill]" in cap.err and "[decode] 6 tok" in cap.err and "finish_reason=length" in cap.err
+
+
+def test_generate_says_where_the_programs_time_went(capsys):
+  """Without --quiet: a line with the seconds spent tracing, lowering and compiling, from JAX's own
+  monitoring events; each program built is looked up in the suite's compilation cache, found or
+  not."""
+  before, n = compiles.phases(), compiles.count()
+  assert main(["generate", *COMMON, "--max-len", "48", "--max-tokens", "3", "The river bends"]) == 0
+  after, built = compiles.phases(), compiles.count() - n
+  line = next(x for x in capsys.readouterr().err.splitlines() if x.startswith("# programs:"))
+  assert line == programs_report(after)
+  assert built >= 2 and after["trace_s"] > before["trace_s"] and after["compile_s"] > before["compile_s"]  # max_len 48
+  looked_up = after["cache_hits"] + after["cache_misses"] - before["cache_hits"] - before["cache_misses"]
+  assert looked_up == built
 
 
 def test_bad_option_values_are_errors_not_tracebacks(capsys):
