@@ -204,6 +204,7 @@ class Engine:
     self._last_ready = time.perf_counter()
     self.stats = collections.Counter()  # prefill_tokens, decode_tokens, *_s, compile_s, steps, moves
     self.decode_buckets = collections.Counter()  # rows of each decode step run: how many steps
+    self._decode_built: set[int] = set()  # row buckets whose decode (or verify) program has run
     self._aborted: list[_Request] = []  # aborted since the last step, reported by the next
 
   @property
@@ -311,8 +312,11 @@ class Engine:
     self._admit()
     self._compact()
     running = [s for s in self.slots if s is not None and s.running]
-    if running:
-      rows = bucket(max(s.slot for s in running) + 1, self.row_buckets)
+    rows = bucket(max(s.slot for s in running) + 1, self.row_buckets) if running else 0
+    # This step's prefills hold first tokens. A decode program never run before would hold them
+    # back by its build (its trace and compile, or its load from the cache): they go out first.
+    first_build = bool(running) and rows not in self._decode_built and len(self._pending) > n_before
+    if running and not first_build:
       active = np.zeros(rows, np.bool_)
       for s in running:
         active[s.slot] = True
@@ -326,12 +330,14 @@ class Engine:
         self.state, out, accepted = self.programs.verify(self.params, self.state, active, *proposals, want)
         extra = (accepted, proposals[1])
       self.decode_buckets[rows] += 1
+      self._decode_built.add(rows)
       self._pending.append(("decode", out, [(s.slot, s) for s in running], t0, compiles.seconds() - c0, extra))
     updated.update({r.id: r for r in self._aborted})
     self._aborted = []
     # Read back everything dispatched before this step; keep this step's in flight. When nothing
-    # new was dispatched, drain so the loop always makes progress.
-    keep = len(self._pending) - n_before if len(self._pending) > n_before else 0
+    # new was dispatched, drain so the loop always makes progress; before a decode build, drain so
+    # the first tokens go out.
+    keep = len(self._pending) - n_before if len(self._pending) > n_before and not first_build else 0
     while len(self._pending) > keep:
       for req in self._process(self._pending.popleft()):
         updated[req.id] = req
@@ -628,6 +634,7 @@ class Engine:
                                               np.bool_(False), fresh=fresh)
     for rows in self.row_buckets:
       self.state, _ = self.programs.decode(self.params, self.state, np.zeros(rows, np.bool_), np.bool_(False))
+    self._decode_built.update(self.row_buckets)
     self.state = self.programs.fork(self.state, np.int32(0), np.int32(len(self.slots) - 1), row, np.int32(0))
     self.state = self.programs.move(self.state, np.int32(len(self.slots) - 1), np.int32(0))
     self.programs.logits(self.params, np.zeros((1, MIN_PROMPT_BUCKET), np.int32))
