@@ -315,7 +315,9 @@ class Engine:
     rows = bucket(max(s.slot for s in running) + 1, self.row_buckets) if running else 0
     # This step's prefills hold first tokens. A decode program never run before would hold them
     # back by its build (its trace and compile, or its load from the cache): they go out first.
-    first_build = bool(running) and rows not in self._decode_built and len(self._pending) > n_before
+    # (Speculative steps keep their order: their proposals are made from the tokens read back.)
+    first_build = (self.spec_cfg is None and bool(running) and rows not in self._decode_built
+                   and len(self._pending) > n_before)
     if running and not first_build:
       active = np.zeros(rows, np.bool_)
       for s in running:
