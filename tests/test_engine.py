@@ -279,3 +279,20 @@ def test_warmup_compiles_a_number_of_programs_that_grows_with_log2_of_max_batch(
     counted[slots] = sum(f._cache_size() for f in jitted)
     assert counted[slots] == eng.num_programs
   assert counted[8] - counted[2] == 2
+
+
+def test_first_tokens_go_out_before_the_first_decode_program_is_built():
+  """Without warm-up, the step that prefills a request returns its first token at once, and
+  only the next step builds (traces and compiles) the decode program: the first token does not
+  wait for a program it does not need."""
+  eng = make_engine(slots=2, max_len=64, chunk=32)
+  eng.add_request([5, 6, 7, 8], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+  outs = eng.step()
+  assert [len(o.outputs[0].token_ids) for o in outs] == [1]
+  assert eng.programs.decode._cache_size() == 0, "the first step built a decode program"
+  before = compiles.count()
+  outs = eng.step()
+  assert compiles.count() > before and eng.programs.decode._cache_size() == 1
+  while eng.has_unfinished():
+    outs = eng.step() or outs
+  assert [len(o.outputs[0].token_ids) for o in outs] == [3] and outs[0].finished

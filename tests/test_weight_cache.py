@@ -3,6 +3,7 @@ bit for bit, without touching the source; misses, damage and an unwritable cache
 
 from __future__ import annotations
 
+import ctypes
 import os
 import pathlib
 import shutil
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import threading
 
+import jax
 import numpy as np
 import pytest
 from jaxgen.checkpoints import cache, source
@@ -107,3 +109,50 @@ def test_a_miss_serves_before_its_entry_is_written_and_the_entry_outlives_the_pr
   subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=300)
   (entry,) = entries(other)
   assert cache.read(str(other / "weights" / entry)) is not None
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="zero-copy placement is a host-memory property")
+def test_a_hit_places_the_mapped_files_without_copying_them(cache_dir, monkeypatch):
+  """On the CPU a hit's device buffers are the cache files' pages themselves (`jax.device_put`
+  aliases a read-only, aligned numpy map): a start pays no copy and holds no second set of weights."""
+  load(GGUF, "bfloat16")
+  mapped = {}
+  read = cache.read
+
+  def keep(directory):
+    hit = read(directory)
+    mapped.update(hit[1])
+    return hit
+
+  monkeypatch.setattr(cache, "read", keep)
+  cfg, model, _ = source.load(str(GGUF), "bfloat16")
+  placed = flat_params(model)
+  assert mapped and sorted(mapped) == sorted(placed)
+  for name, x in placed.items():
+    assert isinstance(mapped[name], np.memmap), name
+    assert x.unsafe_buffer_pointer() == mapped[name].ctypes.data, f"{name} was copied when placed"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc_trim")
+def test_a_load_hands_the_freed_c_heap_back():
+  """What a load frees on the C heap (a tokenizer's JSON parse, a conversion) goes back to the OS
+  (`source._return_freed_heap`) instead of staying resident under the weights. Here: 100 MiB of
+  small blocks freed below a live one, which glibc keeps until trimmed."""
+  libc = ctypes.CDLL("libc.so.6")
+  libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+  libc.free.argtypes = [ctypes.c_void_p]
+
+  def resident() -> int:
+    with open("/proc/self/statm") as f:
+      return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+  blocks = [libc.malloc(1024) for _ in range(100 * 1024)]
+  for b in blocks:
+    ctypes.memset(b, 1, 1024)  # touched, so resident
+  keep = libc.malloc(1024)  # above them: the heap's top cannot shrink on its own
+  for b in blocks:
+    libc.free(b)
+  held = resident()
+  source._return_freed_heap()
+  assert held - resident() > 64 << 20
+  libc.free(keep)
