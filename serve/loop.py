@@ -54,6 +54,7 @@ class EngineLoop:
     self.compiles_at_ready: int | None = None
     self._lock = threading.Lock()
     self._accepted = 0  # submitted and not yet finished
+    self._queued = 0  # submitted and not yet handed to the engine (in the inbox)
     self._closed = False
     self._inbox: queue.SimpleQueue = queue.SimpleQueue()
     self._sinks: dict[str, tuple[Sink, int]] = {}
@@ -71,7 +72,7 @@ class EngineLoop:
   @property
   def waiting(self) -> int:
     """Requests not yet given a slot: in the inbox or the engine's queue."""
-    return self._inbox.qsize() + self.snapshot.get("waiting", 0)
+    return self._queued + self.snapshot.get("waiting", 0)
 
   def submit(self, prompts: Sequence[list[int]], params: SamplingParams, sink: Sink) -> list[str]:
     """Queues one request per prompt (checked token ids); their ids. QueueFull or Closed: nothing queued."""
@@ -82,6 +83,7 @@ class EngineLoop:
         raise QueueFull(f"{self._accepted} requests are running or waiting; the limit is {self.capacity} "
                         "(max_batch + max_queue): retry later")
       self._accepted += len(prompts)
+      self._queued += len(prompts)
       rids = [uuid.uuid4().hex for _ in prompts]
       self._inbox.put(("add", rids, list(prompts), params, sink))  # under the lock: never behind a "stop"
     return rids
@@ -160,6 +162,8 @@ class EngineLoop:
           self.engine.abort(rid)
         continue
       _, rids, prompts, params, sink = cmd
+      with self._lock:
+        self._queued -= len(rids)
       for i, (rid, ids) in enumerate(zip(rids, prompts)):
         self._sinks[rid] = (sink, i)
         try:

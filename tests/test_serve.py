@@ -22,8 +22,12 @@ import numpy as np
 import openai
 import pytest
 import uvicorn
+from conftest import ToyTokenizer, tiny_config, tiny_model
+from jaxgen import SamplingParams
 from jaxgen.decode import compiles
+from jaxgen.decode.engine import Engine
 from jaxgen.serve import create_app
+from jaxgen.serve.loop import EngineLoop
 
 pytestmark = pytest.mark.slow
 KEY = "test-key"
@@ -330,3 +334,16 @@ def test_sigterm_drains_running_requests_and_exits_0(tmp_path):
     if proc.poll() is None:
       proc.kill()
     proc.stderr.close()
+
+
+def test_the_waiting_gauge_counts_requests_not_inbox_commands():
+  """`jaxgen_requests_waiting` counts requests: an n=3 submission is three, an abort none."""
+  cfg = tiny_config()
+  loop = EngineLoop(Engine(tiny_model(cfg), ToyTokenizer(cfg.vocab_size), max_batch=2, max_len=64), max_queue=4,
+                    warmup=False)  # never started: the test applies the inbox itself
+  rids = loop.submit([[5, 6], [7], [8, 9]], SamplingParams(max_tokens=2), lambda *a: None)
+  loop.abort(["unknown"])
+  assert loop.waiting == 3
+  assert loop._take(block=False)  # handed to the engine, which has not stepped yet
+  loop.snapshot = loop.engine.metrics()
+  assert loop.waiting == 3 and len(rids) == 3
