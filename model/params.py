@@ -43,11 +43,18 @@ def param_specs(cfg: ModelConfig, dtype) -> dict[str, ParamSpec]:
 
 
 @functools.lru_cache(maxsize=16)
+def _template(cfg: ModelConfig, dtype):
+  """(graphdef, [(path, abstract Variable)]) of the model. Tracing the model's construction costs a
+  few hundred ms, and loads, plans, assembly and weight swaps all ask: it is traced once. The
+  Variables are never handed out, only copies of them."""
+  graphdef, state = nnx.split(abstract_model(cfg, dtype))
+  return graphdef, tuple(nnx.to_flat_state(state))
+
+
+@functools.lru_cache(maxsize=16)
 def _param_specs(cfg: ModelConfig, dtype) -> dict[str, ParamSpec]:
-  # Tracing the model's construction costs a few hundred ms; loads, plans and weight swaps ask often.
-  _, state = nnx.split(abstract_model(cfg, dtype))
   out = {}
-  for path, var in nnx.to_flat_state(state):
+  for path, var in _template(cfg, dtype)[1]:
     value = var.get_value()
     out[path_str(path)] = ParamSpec(tuple(value.shape), value.dtype, tuple(var.get_metadata()["axes"]))
   return out
@@ -55,11 +62,8 @@ def _param_specs(cfg: ModelConfig, dtype) -> dict[str, ParamSpec]:
 
 def assemble(cfg: ModelConfig, dtype, values: Mapping[str, jax.Array | np.ndarray]) -> Transformer:
   """A Transformer whose parameter `name` is `values[name]` (arrays already cast and placed)."""
-  graphdef, state = nnx.split(abstract_model(cfg, dtype))
-  flat = nnx.to_flat_state(state)
-  for path, var in flat:
-    var.set_value(values[path_str(path)])
-  return nnx.merge(graphdef, nnx.from_flat_state(flat))
+  graphdef, flat = _template(cfg, jnp.dtype(dtype))
+  return nnx.merge(graphdef, nnx.from_flat_state([(path, var.replace(values[path_str(path)])) for path, var in flat]))
 
 
 def flat_params(model: Transformer) -> dict[str, jax.Array]:
