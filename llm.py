@@ -102,20 +102,8 @@ class LLM:
     self.platform = resolve(quantization=self.cfg.weight_quant)  # an orbax checkpoint saved int8 restores int8
     _warn_if_kernels_failed(self.platform)
     self.max_len = min(max_len, self.cfg.max_context)
-    spec = CacheSpec(slots=max_batch, max_len=self.max_len, dtype=self.platform.cache_dtype)
-    self.plan, shardings = None, None
-    if self.mesh is not None:
-      self.plan = memory_plan(self.cfg, dtype, spec, self.mesh).check()
-      if enable_prefix_caching:  # the store's budget comes from the plan, and is planned with it
-        if prefix_cache_tokens is None:
-          prefix_cache_tokens = prefix.default_tokens(self.cfg, spec.dtype, spec.total_bytes(self.cfg),
-                                                      self.plan.free)
-        store = prefix.spec_for(self.cfg, spec.dtype, prefix_cache_tokens)
-        self.plan = memory_plan(self.cfg, dtype, spec, self.mesh, store=store).check()
-      shardings = {"params": rules.param_tree(nnx.state(self.model), rules.param_shardings(self.cfg, dtype, self.mesh)),
-                   "state": state_shardings(self.cfg, spec, self.mesh)}
-      # Requests without a seed draw one on the host: every process must draw the same.
-      seed = distributed.same_seed(seed if seed is not None else np.random.SeedSequence().entropy % 2**63)
+    spec = CacheSpec(slots=max_batch, max_len=self.max_len, dtype=self.platform.cache_dtype,
+                     slack=spec_cfg.k if spec_cfg else 0)  # the engine's (its rings hold k more under speculation)
     draft_model = draft_platform = None
     if spec_cfg is not None and spec_cfg.method == "draft_model":
       if _weights is not None and spec_cfg.model == "self" and spec_cfg.quantization not in (None, quantization):
@@ -123,13 +111,28 @@ class LLM:
                          "an LLM from weights in memory can draft with itself or its first layers only")
       draft_model = draft.load(spec_cfg, self.model, model, self.tokenizer, dtype, self.mesh)
       draft_platform = resolve(quantization=draft_model.cfg.weight_quant)
+    self.plan, shardings = None, None
+    if self.mesh is not None:
+      planned = None if draft_model is None else (draft_model.cfg, draft_model.dtype, _shares_weights(draft_model, self.model))
+      plan = functools.partial(memory_plan, self.cfg, dtype, spec, self.mesh, draft=planned)
+      self.plan = plan().check()
+      if enable_prefix_caching:  # the store's budget comes from the plan, and is planned with it
+        if prefix_cache_tokens is None:
+          prefix_cache_tokens = prefix.default_tokens(self.cfg, spec.dtype, spec.total_bytes(self.cfg),
+                                                      self.plan.free)
+        store = prefix.spec_for(self.cfg, spec.dtype, prefix_cache_tokens)
+        self.plan = plan(store=store).check()
+      shardings = {"params": rules.param_tree(nnx.state(self.model), rules.param_shardings(self.cfg, dtype, self.mesh)),
+                   "state": state_shardings(self.cfg, spec, self.mesh)}
+      # Requests without a seed draw one on the host: every process must draw the same.
+      seed = distributed.same_seed(seed if seed is not None else np.random.SeedSequence().entropy % 2**63)
     t1 = time.perf_counter()
     self.engine = Engine(self.model, self.tokenizer, max_batch=max_batch, max_len=self.max_len,
                          platform=self.platform, shardings=shardings, seed=seed,
                          enable_prefix_caching=enable_prefix_caching, prefix_cache_tokens=prefix_cache_tokens,
                          speculative_config=spec_cfg, draft_model=draft_model, draft_platform=draft_platform)
     if self.mesh is not None and self.engine.store_spec is None and self.plan.prefix_store:
-      self.plan = memory_plan(self.cfg, dtype, spec, self.mesh).check()  # the engine keeps no store
+      self.plan = plan().check()  # the engine keeps no store
     self.logits_buckets = powers_of_two(self.cfg.max_context, MIN_PROMPT_BUCKET)
     self.timings["engine_s"] = time.perf_counter() - t1
     self.load_s = time.perf_counter() - t0
@@ -309,6 +312,12 @@ class Stream:
     finally:
       if self.output is None or not self.output.finished:
         self.engine.abort(self.request_id)
+
+
+def _shares_weights(draft_model, target) -> bool:
+  """Whether every weight of the draft is one of the target's arrays (the target itself, or its first layers)."""
+  own = {id(x) for x in jax.tree.leaves(nnx.state(target))}
+  return all(id(x) in own for x in jax.tree.leaves(nnx.state(draft_model)))
 
 
 def _warn_if_kernels_failed(platform: platforms.Platform) -> None:

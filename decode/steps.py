@@ -65,13 +65,17 @@ def state_shardings(cfg: ModelConfig, spec: CacheSpec, mesh) -> DecodeState:
 
 
 def memory_plan(cfg: ModelConfig, dtype, spec: CacheSpec, mesh, capacity: int | None = None,
-                store: prefix.StoreSpec | None = None) -> planner.Plan:
+                store: prefix.StoreSpec | None = None, draft=None) -> planner.Plan:
   """Bytes per device of the weights and this engine's state on `mesh` (nothing allocated);
-  `store`: the prefix store, if any."""
+  `store`: the prefix store, if any; `draft`: (draft config, dtype, whether its weights are the
+  target's own arrays) of a speculative draft model, whose cache is laid out as the target's."""
   shapes, axes = state_axes(cfg, spec)
+  if draft is not None:
+    draft_cfg, draft_dtype, shared = draft
+    draft = (None if shared else draft_cfg, draft_dtype, (spec.shapes(draft_cfg), spec.axes(draft_cfg)))
   return planner.plan(cfg, dtype, mesh, (shapes.cache, axes.cache), (shapes.sampler, axes.sampler),
                       slots=spec.slots, max_len=spec.max_len, capacity=capacity,
-                      prefix_store=None if store is None else (store.shapes(cfg), store.axes(cfg)))
+                      prefix_store=None if store is None else (store.shapes(cfg), store.axes(cfg)), draft=draft)
 
 
 def _put_rows(tree, idx, rows):

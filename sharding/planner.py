@@ -33,10 +33,11 @@ class Plan:
   capacity: int | None = None
   notes: tuple[str, ...] = ()
   prefix_store: int = 0
+  draft: int = 0  # a speculative draft model: its own weights (none when it shares the target's) and cache
 
   @property
   def total(self) -> int:
-    return self.weights + self.kv_cache + self.sampler + self.working_set + self.prefix_store
+    return self.weights + self.kv_cache + self.sampler + self.working_set + self.prefix_store + self.draft
 
   @property
   def free(self) -> int | None:
@@ -49,13 +50,14 @@ class Plan:
       raise ValueError(
           f"the model needs {_fmt(self.total)} per device on mesh {_mesh_str(self.mesh)} but a device has "
           f"{_fmt(self.capacity)} (weights {_fmt(self.weights)}, KV cache {_fmt(self.kv_cache)}, prefix store "
-          f"{_fmt(self.prefix_store)}, sampler {_fmt(self.sampler)}, working set ~{_fmt(self.working_set)}); split the weights over a larger model "
-          "axis, the cache over a larger data axis, or lower max_batch / max_len / prefix_cache_tokens, or use a 16-bit dtype")
+          f"{_fmt(self.prefix_store)}, draft model {_fmt(self.draft)}, sampler {_fmt(self.sampler)}, working set "
+          f"~{_fmt(self.working_set)}); split the weights over a larger model axis, the cache over a larger data "
+          "axis, or lower max_batch / max_len / prefix_cache_tokens, or use a 16-bit dtype or a smaller draft")
     return self
 
   def __str__(self) -> str:
     rows = [("weights", self.weights), ("KV cache", self.kv_cache), ("prefix store", self.prefix_store),
-            ("sampler state", self.sampler),
+            *([("draft model", self.draft)] if self.draft else []), ("sampler state", self.sampler),
             ("working set (est.)", self.working_set), ("total", self.total)]
     if self.capacity is not None:
       rows.append(("device memory", self.capacity))
@@ -69,19 +71,23 @@ class Plan:
 
 
 def plan(cfg, dtype, mesh: MeshConfig | Mesh, kv_cache, sampler, *, slots: int, max_len: int,
-         capacity: int | None = None, prefix_store=None) -> Plan:
+         capacity: int | None = None, prefix_store=None, draft=None) -> Plan:
   """The plan for `cfg` weights in `dtype` and the given state on `mesh`.
 
   kv_cache, sampler, prefix_store (optional): (tree of ShapeDtypeStructs, the same tree of
   logical-axis tuples) each.
+  draft (optional): (draft config, dtype, its cache as above); the config None when the draft's
+  weights are the target's own arrays (the target itself, or its first layers).
   slots, max_len: the cache's rows and tokens per row (for the working-set estimate).
   `capacity` (bytes per device) defaults to what the first device reports (TPU/GPU; CPU reports
   nothing, and then `check()` only refuses what cannot divide). Raises ValueError for a layout
   that cannot divide; nothing is allocated or compiled.
   """
   mesh = as_mesh(mesh)
-  p_sh = rules.param_shardings(cfg, dtype, mesh)
-  weights = sum(rules.shard_bytes(p_sh[name], s.shape, s.dtype) for name, s in param_specs(cfg, dtype).items())
+
+  def weight_bytes(cfg, dtype):
+    p_sh = rules.param_shardings(cfg, dtype, mesh)
+    return sum(rules.shard_bytes(p_sh[name], s.shape, s.dtype) for name, s in param_specs(cfg, dtype).items())
 
   def state_bytes(part, prefix):
     shapes, axes = part
@@ -89,9 +95,13 @@ def plan(cfg, dtype, mesh: MeshConfig | Mesh, kv_cache, sampler, *, slots: int, 
     return sum(jax.tree.leaves(jax.tree.map(lambda s, x: rules.shard_bytes(x, s.shape, s.dtype), shapes, sh)))
 
   sizes = dict(mesh.shape)
-  return Plan(sizes, weights, state_bytes(kv_cache, "cache."), state_bytes(sampler, "sampler."),
+  draft_bytes = 0
+  if draft is not None:
+    draft_cfg, draft_dtype, draft_cache = draft
+    draft_bytes = state_bytes(draft_cache, "draft.") + (0 if draft_cfg is None else weight_bytes(draft_cfg, draft_dtype))
+  return Plan(sizes, weight_bytes(cfg, dtype), state_bytes(kv_cache, "cache."), state_bytes(sampler, "sampler."),
               working_set(cfg, dtype, slots, max_len, sizes), _capacity(mesh) if capacity is None else capacity,
-              _notes(cfg, sizes), 0 if prefix_store is None else state_bytes(prefix_store, "store."))
+              _notes(cfg, sizes), 0 if prefix_store is None else state_bytes(prefix_store, "store."), draft_bytes)
 
 
 def working_set(cfg, dtype, slots: int, max_len: int, sizes: dict[str, int], prefill_chunk: int = 512) -> int:

@@ -104,6 +104,10 @@ def test_speculation_on_a_mesh_is_plain_decoding(tiny):
   assert got["ngram_drafted"] > 0 and got["draft_accepted"] > 0
   assert got["draft_cache_spec"][1] == "model"  # [slots, kv heads, ...]: split as the target's cache
   assert got["draft_weight_spec"] == got["target_weight_spec"] != [None, None, None]
+  # The memory plan counts the draft's cache (and no second copy of weights it shares).
+  assert got["plan_draft"] == got["allocated_draft"] > 0 and got["plan_draft_ngram"] == 0
+  assert "draft model" in got["plan_text"]
+  assert got["plan_kv"] == got["allocated_kv"]
 
 
 def test_bad_meshes_are_clear_errors_before_any_compile(tiny):
@@ -439,6 +443,11 @@ def worker_tiny() -> dict:
       "draft_cache_spec": list(_spec(drafted.engine.drafter.cache.layers[0].k)),
       "draft_weight_spec": list(_spec(drafted.engine.drafter.params["layers"][0]["q"][...])),
       "target_weight_spec": list(_spec(drafted.model.layers[0].q[...])),
+      # Per device: the draft's cache, planned and allocated (its weights are the target's arrays).
+      "plan_draft": drafted.plan.draft, "plan_draft_ngram": ngram.plan.draft, "plan_text": str(drafted.plan),
+      "allocated_draft": sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(drafted.engine.drafter.cache)),
+      "plan_kv": drafted.plan.kv_cache,  # rings k entries longer under speculation
+      "allocated_kv": sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(drafted.engine.state.cache)),
   }
   return result
 
