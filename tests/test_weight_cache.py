@@ -156,3 +156,14 @@ def test_a_load_hands_the_freed_c_heap_back():
   source._return_freed_heap()
   assert held - resident() > 64 << 20
   libc.free(keep)
+
+
+def test_a_start_from_gguf_never_imports_orbax(cache_dir):
+  """orbax (~50 MB resident, ~0.1 s of import) is imported only for orbax checkpoints: a start
+  from GGUF, missing or hitting the weight cache, goes without it."""
+  code = ("import sys; from jaxgen import LLM; from jaxgen.checkpoints import cache, source\n"
+          f"for _ in range(2): source.load({str(GGUF)!r}); cache.wait()\n"
+          "assert 'orbax.checkpoint' not in sys.modules, 'orbax was imported'")
+  subprocess.run([sys.executable, "-c", code], env=dict(os.environ, JAXGEN_CACHE_DIR=str(cache_dir)), check=True,
+                 timeout=300)
+  assert len(entries(cache_dir)) == 1
