@@ -80,7 +80,7 @@ def main() -> None:
     print(f"{'    ' + key:<24} {fresh['programs'][key]:7.1f}s {later['programs'][key]:7.1f}s")
   print(f"{'    compilation cache':<24} {_hits(fresh['programs']):>8} {_hits(later['programs']):>8}")
   print(f"{'peak memory':<24} {fresh['peak_rss'] / 2**30:6.2f}G {later['peak_rss'] / 2**30:6.2f}G "
-        f"({later['peak_rss'] / later['weights_bytes']:.1f}x the weights, later)")
+        f"({later['peak_rss'] / later['weights_bytes']:.2f}x the weights, later)")
 
 
 def _hits(p: dict) -> str:
