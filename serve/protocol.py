@@ -140,6 +140,7 @@ class Responder:
     self.created = int(time.time())
     self.object = "chat.completion" if chat else "text_completion"
     self._sent: dict[int, tuple[int, int]] = {}  # choice index -> (characters, tokens) streamed
+    self._offsets: dict[int, int] = {}  # choice index -> text_offset after the tokens streamed
     self._done: set[int] = set()  # choice indices whose last chunk was sent
 
   def _head(self, obj: str) -> dict:
@@ -173,7 +174,7 @@ class Responder:
       new = len(c.text) > chars or len(c.token_ids) > tokens
       if index in self._done or not (first or new or c.finished):
         continue
-      choice = {"index": index, "logprobs": self._logprobs(c, tokens), "finish_reason": c.finish_reason}
+      choice = {"index": index, "logprobs": self._logprobs(c, tokens, index), "finish_reason": c.finish_reason}
       if c.finished:
         choice["stop_reason"] = c.stop_reason
         self._done.add(index)
@@ -197,9 +198,10 @@ class Responder:
   def _piece(self, token: int) -> str:
     return self.tokenizer.decode([token], skip_special_tokens=False)
 
-  def _logprobs(self, c: CompletionOutput, start: int) -> dict | None:
+  def _logprobs(self, c: CompletionOutput, start: int, index: int | None = None) -> dict | None:
     """OpenAI's logprobs of tokens[start:]: {content: [...]} for chat, {tokens, token_logprobs,
-    top_logprobs, text_offset} for completions; None when none were asked for."""
+    top_logprobs, text_offset} for completions; None when none were asked for. A stream passes its
+    choice `index`: each chunk's offsets continue from the last, without decoding what was sent."""
     if c.logprobs is None:
       return None
     ids, entries = c.token_ids[start:], c.logprobs[start:]
@@ -212,10 +214,12 @@ class Responder:
                                           "bytes": list(self._piece(lp.token_id).encode())} for lp in _top(entry)]})
       return {"content": content}
     pieces = [self._piece(t) for t in ids]
-    offsets, at = [], sum(len(self._piece(t)) for t in c.token_ids[:start])
+    offsets, at = [], 0 if start == 0 else self._offsets[index]
     for piece in pieces:
       offsets.append(at)
       at += len(piece)
+    if index is not None:
+      self._offsets[index] = at
     return {"tokens": pieces, "token_logprobs": [entry[t].logprob for t, entry in zip(ids, entries)],
             "top_logprobs": [{self._piece(lp.token_id): lp.logprob for lp in _top(entry)}
                              for t, entry in zip(ids, entries)],

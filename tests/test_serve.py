@@ -26,8 +26,15 @@ from conftest import ToyTokenizer, tiny_config, tiny_model
 from jaxgen import SamplingParams
 from jaxgen.decode import compiles
 from jaxgen.decode.engine import Engine
+from jaxgen.decode.outputs import (
+  CompletionOutput,
+  Logprob,
+  RequestMetrics,
+  RequestOutput,
+)
 from jaxgen.serve import create_app
 from jaxgen.serve.loop import EngineLoop
+from jaxgen.serve.protocol import Responder
 
 pytestmark = pytest.mark.slow
 KEY = "test-key"
@@ -347,3 +354,25 @@ def test_the_waiting_gauge_counts_requests_not_inbox_commands():
   assert loop._take(block=False)  # handed to the engine, which has not stepped yet
   loop.snapshot = loop.engine.metrics()
   assert loop.waiting == 3 and len(rids) == 3
+
+
+def test_streamed_text_offsets_continue_across_chunks():
+  """A streamed completion's logprobs.text_offset continues from the previous chunk, and the
+  chunks together give the offsets of the whole response."""
+  class Pieces:  # token t decodes to t % 3 + 1 characters
+    def decode(self, ids, skip_special_tokens=False):
+      return "".join("ab"[t % 2] * (t % 3 + 1) for t in ids)
+
+  ids = [4, 7, 5, 9, 3, 8, 6]
+  c = CompletionOutput(0, logprobs=[])
+  out = RequestOutput("r", None, [1], [c], RequestMetrics(0.0))
+  stream = Responder("m", Pieces(), n=1, chat=False)
+  streamed = []
+  for upto in (2, 3, 7):
+    c.token_ids = ids[:upto]
+    c.logprobs = [{t: Logprob(t, -1.0, rank=1)} for t in c.token_ids]
+    c.text = Pieces().decode(c.token_ids)
+    (chunk,) = stream.chunks(0, out)
+    streamed += chunk["choices"][0]["logprobs"]["text_offset"]
+  whole = Responder("m", Pieces(), n=1, chat=False).whole([out])["choices"][0]["logprobs"]["text_offset"]
+  assert streamed == whole == [0, 2, 4, 7, 8, 9, 12]
