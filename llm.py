@@ -113,7 +113,8 @@ class LLM:
       draft_platform = resolve(quantization=draft_model.cfg.weight_quant)
     self.plan, shardings = None, None
     if self.mesh is not None:
-      planned = None if draft_model is None else (draft_model.cfg, draft_model.dtype, _shares_weights(draft_model, self.model))
+      planned = None if draft_model is None else (draft_model.cfg, draft_model.dtype,
+                                                  _shares_weights(draft_model, self.model))
       plan = functools.partial(memory_plan, self.cfg, dtype, spec, self.mesh, draft=planned)
       self.plan = plan().check()
       if enable_prefix_caching:  # the store's budget comes from the plan, and is planned with it

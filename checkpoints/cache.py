@@ -8,8 +8,9 @@ no dequantization, no BPE rebuilding, and no host copy: each array is read once,
 its device buffer, and its mapping is dropped once placed.
 
 key: a hash of the source's fingerprint (each file's size, modification time and first and last
-MiB, so a file rewritten in place misses), the dtype, the quantization and this format's version. Entries are written to a temporary directory and renamed into place (a crash or a
-concurrent writer leaves no half entry); an entry that cannot be read is ignored and rewritten.
+MiB, so a file rewritten in place misses), the dtype, the quantization and this format's version.
+Entries are written to a temporary directory and renamed into place (a crash or a concurrent
+writer leaves no half entry); an entry that cannot be read is ignored and rewritten.
 `JAXGEN_CACHE_DIR` moves the cache (default ~/.cache/jaxgen); `JAXGEN_WEIGHT_CACHE=0` turns it off.
 """
 

@@ -623,8 +623,9 @@ class Engine:
     That is `num_programs` programs: prefill fresh and continued for each of the prompt buckets
     (powers of two from 16 to the largest chunk), decode for each row bucket (powers of two up to
     max_batch), fork, move, the uncached forward of `LLM.logits`' smallest bucket (its larger
-    buckets compile on first use), and with prefix caching its save and restore. The count grows with log2 of max_batch and of the chunk, never
-    with max_batch itself. They run on slot 0 with a throwaway request state.
+    buckets compile on first use), and with prefix caching its save and restore. The count grows
+    with log2 of max_batch and of the chunk, never with max_batch itself. They run on slot 0 with a
+    throwaway request state.
     """
     t0 = time.perf_counter()
     dummy = _Request("warmup", None, [0], SamplingParams(max_tokens=1), 1, frozenset(), RequestMetrics(t0, 1))

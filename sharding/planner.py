@@ -98,7 +98,9 @@ def plan(cfg, dtype, mesh: MeshConfig | Mesh, kv_cache, sampler, *, slots: int, 
   draft_bytes = 0
   if draft is not None:
     draft_cfg, draft_dtype, draft_cache = draft
-    draft_bytes = state_bytes(draft_cache, "draft.") + (0 if draft_cfg is None else weight_bytes(draft_cfg, draft_dtype))
+    draft_bytes = state_bytes(draft_cache, "draft.")
+    if draft_cfg is not None:
+      draft_bytes += weight_bytes(draft_cfg, draft_dtype)
   return Plan(sizes, weight_bytes(cfg, dtype), state_bytes(kv_cache, "cache."), state_bytes(sampler, "sampler."),
               working_set(cfg, dtype, slots, max_len, sizes), _capacity(mesh) if capacity is None else capacity,
               _notes(cfg, sizes), 0 if prefix_store is None else state_bytes(prefix_store, "store."), draft_bytes)

@@ -445,7 +445,8 @@ def worker_tiny() -> dict:
       "target_weight_spec": list(_spec(drafted.model.layers[0].q[...])),
       # Per device: the draft's cache, planned and allocated (its weights are the target's arrays).
       "plan_draft": drafted.plan.draft, "plan_draft_ngram": ngram.plan.draft, "plan_text": str(drafted.plan),
-      "allocated_draft": sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(drafted.engine.drafter.cache)),
+      "allocated_draft": sum(x.addressable_shards[0].data.nbytes
+                             for x in jax.tree.leaves(drafted.engine.drafter.cache)),
       "plan_kv": drafted.plan.kv_cache,  # rings k entries longer under speculation
       "allocated_kv": sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(drafted.engine.state.cache)),
   }
