@@ -65,8 +65,10 @@ def test_accelerator_dtypes_prefill_then_decode_equal_uncached(llm_bf16, golden)
   """bf16 weights, activations and cache through the plain formulation (as TPU and GPU run): 600
   prompt tokens (the ring wrapped) and 8 decode steps against the uncached bf16 pass, which
   rounds at the same points but in other orders: the logits within 0.5 (4 bf16 steps at their
-  magnitude), KL(uncached || cached) <= 5e-3 per position, and the same top token wherever the
-  uncached pass is decisive."""
+  magnitude), KL(uncached || cached) <= 1e-2 per position, and the same top token wherever the
+  uncached pass is decisive. (How XLA:CPU rounds bf16 sums depends on the processor: the worst
+  position's KL measured 2.8e-3 on one machine's CPU and 5.3e-3 on another's, the logits' worst
+  difference 0.375 on both. Logits one position off give KLs from 0.8 to 18.)"""
   ids = _long_ids(golden)[:608]
   model = llm_bf16.model
   gd, params = nnx.split(model)
@@ -83,7 +85,7 @@ def test_accelerator_dtypes_prefill_then_decode_equal_uncached(llm_bf16, golden)
     if top2[1] - top2[0] > 0.5:
       assert logits.argmax() == ref[pos].argmax(), pos
   print(f"bf16 cached vs uncached: max |logit diff| {worst:.3f}, KL max {max(kls):.2e} mean {np.mean(kls):.2e}")
-  assert worst <= 0.5 and max(kls) <= 5e-3, (worst, max(kls))  # measured: 0.375, 2.8e-3 (bf16 rounding)
+  assert worst <= 0.5 and max(kls) <= 1e-2, (worst, max(kls))
 
 
 def _log_softmax(x):
