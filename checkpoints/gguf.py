@@ -85,7 +85,8 @@ class _Reader(gguf.GGUFReader):
     self._data = np.asarray(value)  # the base class, sharing the map's memory
 
 
-def _open(path: str):
+def open_reader(path: str):
+  """The file's reader (metadata parsed, tensors mapped, nothing read)."""
   if not os.path.exists(path):
     raise FileNotFoundError(f"model file {path!r} does not exist")
   with open(path, "rb") as f:
@@ -304,7 +305,7 @@ def read_gguf(path: str, progress=None, keep_q8_0: bool = False
 
   `progress(n)`, when given, is called after each tensor (for a progress bar over `reader.tensors`).
   """
-  reader = _open(path)
+  reader = open_reader(path)
   meta = metadata(reader)
   cfg = config_from_gguf_metadata(meta, source=repr(path))
   names = {t.name for t in reader.tensors}

@@ -7,10 +7,10 @@ is read as GGUF; a directory as a jaxgen orbax checkpoint (it has `jaxgen/metada
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
+import functools
+import logging
 import os
-import sys
 import time
 from typing import Callable
 
@@ -19,10 +19,12 @@ import jax
 import numpy as np
 from jaxgen.checkpoints import cache, gguf, hf, orbax_io
 from jaxgen.checkpoints.hf_tokenizer import tokenizer_from_hf_dir
-from jaxgen.checkpoints.tokenizer import tokenizer_from_gguf
-from jaxgen.model import quant
+from jaxgen.checkpoints.tokenizer import Tokenizer, tokenizer_from_gguf
+from jaxgen.model import platform, quant
 from jaxgen.model.params import assemble, flat_params, host_values
 from jaxgen.sharding.rules import param_shardings, placer
+
+log = logging.getLogger(__name__)
 
 KINDS = ("gguf", "hf", "orbax")
 
@@ -57,9 +59,14 @@ def read_arrays(path: str, kind: str, progress: Callable[[int], None] | None = N
   return cfg, arrays, tokenizer
 
 
+def read_tokenizer(path: str, kind: str) -> Tokenizer:
+  """The tokenizer of a GGUF file or HF directory, nothing else read."""
+  return tokenizer_from_gguf(gguf.open_reader(path)) if kind == "gguf" else tokenizer_from_hf_dir(path)
+
+
 def load(path: str | None, dtype="float32", place: Callable[[str, np.ndarray], jax.Array] | None = None,
          mesh=None, progress: Callable[[int], None] | None = None, quantization: str | None = None,
-         timings: dict | None = None):
+         timings: dict | None = None, defer_tokenizer: bool = False):
   """Returns (ModelConfig, Transformer, Tokenizer) for a model file or directory.
 
   mesh (a `jax.sharding.Mesh` or `jaxgen.sharding.mesh.MeshConfig`): parameters are sharded by
@@ -75,6 +82,10 @@ def load(path: str | None, dtype="float32", place: Callable[[str, np.ndarray], j
   load in a dtype writes what it built, later ones read that. `timings` (a dict) receives the
   phases: read_s (source or cache), place_s, weight_cache (hit / miss / off). A miss writes the
   entry on a thread (`cache.write(background=True)`) while this start goes on.
+
+  defer_tokenizer: the third item is a function returning the tokenizer; on a cache hit it parses
+  it then (most of a hit's time), so that a caller can have other work run meanwhile. A cached
+  tokenizer that will not parse is read from the source instead.
   """
   quant.check(quantization)
   timings = {} if timings is None else timings
@@ -87,7 +98,7 @@ def load(path: str | None, dtype="float32", place: Callable[[str, np.ndarray], j
       shardings = None if mesh is None else lambda cfg, dt: param_shardings(cfg, dt, mesh)
       out = orbax_io.restore(path, dtype, shardings=shardings, place=place)
       timings.update(weight_cache="not used (orbax)", read_s=time.perf_counter() - t0)
-      return out
+      return (*out[:2], lambda: out[2]) if defer_tokenizer else out
     cfg, host, tokenizer = orbax_io.restore(path, dtype, place=lambda name, x: x)
     arrays = {name: np.asarray(x) for name, x in flat_params(host).items()}
     cfg = dataclasses.replace(cfg, weight_quant=quantization)
@@ -95,9 +106,10 @@ def load(path: str | None, dtype="float32", place: Callable[[str, np.ndarray], j
     timings["weight_cache"] = "not used (orbax)"
   else:
     where = cache.entry(path, dtype, quantization) if cache.enabled() else None
-    hit = None if where is None else cache.read(where)
+    hit = None if where is None else cache.read(where, defer_tokenizer=True)
     if hit is not None:
       cfg, values, tokenizer = hit  # checked, cast and quantized when it was written
+      tokenizer = functools.partial(_cached_tokenizer, tokenizer, path, kind, where)
       timings["weight_cache"] = "hit"
     else:
       cfg, arrays, tokenizer = read_arrays(path, kind, progress, keep_q8_0=quantization == "int8")
@@ -114,17 +126,17 @@ def load(path: str | None, dtype="float32", place: Callable[[str, np.ndarray], j
     place = placer(param_shardings(cfg, dtype, mesh)) if mesh is not None else (lambda name, x: jax.device_put(x))
   placed = {name: place(name, values.pop(name)) for name in list(values)}  # each host copy dropped once placed
   model = assemble(cfg, dtype, placed)
-  _return_freed_heap()
+  platform.return_freed_heap()  # the tokenizer's build or a conversion freed ~200 MB
   timings["place_s"] = time.perf_counter() - t0
-  return cfg, model, tokenizer
+  if defer_tokenizer:
+    return cfg, model, tokenizer if callable(tokenizer) else (lambda: tokenizer)
+  return cfg, model, tokenizer() if callable(tokenizer) else tokenizer
 
 
-def _return_freed_heap() -> None:
-  """Hands the C heap's free pages back to the OS. Building a 262k-token tokenizer from its JSON
-  (or converting a GGUF) frees ~200 MB that glibc keeps otherwise, and the peak of every start
-  would count them on top of the weights."""
-  if sys.platform.startswith("linux"):
-    try:
-      ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-      pass
+def _cached_tokenizer(parse: Callable[[], Tokenizer], path: str, kind: str, where: str) -> Tokenizer:
+  try:
+    return parse()
+  except Exception as e:  # a damaged entry is not an error: the source has the tokenizer too
+    log.warning("ignoring the unreadable tokenizer of weight cache entry %s (%s: %s)", where, type(e).__name__, e)
+    return read_tokenizer(path, kind)
+

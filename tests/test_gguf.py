@@ -15,9 +15,9 @@ from flax import nnx
 from jaxgen import LLM
 from jaxgen.checkpoints.gguf import (
   _jaxgen_name,
-  _open,
   config_from_gguf_metadata,
   metadata,
+  open_reader,
 )
 from jaxgen.checkpoints.source import load
 from jaxgen.checkpoints.tokenizer import tokenizer_from_gguf
@@ -316,12 +316,12 @@ def test_a_pair_fused_from_mixed_types_is_dequantized_together():
 
 @pytest.mark.parametrize("name", ["gemma3.f32.gguf", "qwen3.q8_0.gguf"])
 def test_the_fast_reader_reads_what_ggufs_own_reader_reads(name):
-  """`_open` reads through a plain view of the memory map (np.memmap's per-slice cost made the
+  """`open_reader` reads through a plain view of the memory map (np.memmap's per-slice cost made the
   embedded model's 262k-token metadata take 10 s); fields and tensors must be gguf's own."""
   import gguf
 
   path = str(DATA / "gguf" / name)
-  fast, ref = _open(path), gguf.GGUFReader(path)
+  fast, ref = open_reader(path), gguf.GGUFReader(path)
   assert type(fast.data) is np.ndarray and type(ref.data) is np.memmap
   assert list(fast.fields) == list(ref.fields) and len(fast.fields) > 10
   for key in ref.fields:

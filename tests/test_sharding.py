@@ -195,11 +195,14 @@ def _use_tiny_model(cfg):
   arrays = {name: ((1.0 if name in ("embed", "unembed") else 0.05) * rng.standard_normal(shape)).astype(np.float32)
             for name, shape in ((n, s.shape) for n, s in param_specs(cfg, "float32").items())}
 
-  def fake_load(path, dtype="float32", place=None, mesh=None, progress=None, quantization=None, timings=None):
+  def fake_load(path, dtype="float32", place=None, mesh=None, progress=None, quantization=None, timings=None,
+                defer_tokenizer=False):
     qcfg = dataclasses.replace(cfg, weight_quant=quantization)
     if place is None and mesh is not None:
       place = rules.placer(rules.param_shardings(qcfg, dtype, mesh))
-    return qcfg, build_model(qcfg, arrays, dtype, source="tiny", place=place), FakeTokenizer()
+    tokenizer = FakeTokenizer()
+    return (qcfg, build_model(qcfg, arrays, dtype, source="tiny", place=place),
+            (lambda: tokenizer) if defer_tokenizer else tokenizer)
 
   load_mod.load = fake_load
 

@@ -4,6 +4,8 @@ bit for bit, without touching the source; misses, damage and an unwritable cache
 from __future__ import annotations
 
 import ctypes
+import json
+import logging
 import os
 import pathlib
 import shutil
@@ -15,7 +17,9 @@ import jax
 import numpy as np
 import pytest
 from jaxgen.checkpoints import cache, source
+from jaxgen.model import platform
 from jaxgen.model.params import flat_params
+from tokenizers import Tokenizer as Backend
 
 GGUF = pathlib.Path(__file__).parent / "data" / "gguf" / "gemma3.f32.gguf"
 
@@ -56,6 +60,77 @@ def test_a_second_load_reads_the_cache_bit_for_bit_without_the_source(cache_dir,
   text = "Hello, world! <start_of_turn>"
   assert tok2.encode(text) == tok.encode(text) and tok2.stop_ids == tok.stop_ids
   assert tok2.chat_template == tok.chat_template
+  # Merges are written in the spelling that parses faster ("left right").
+  (entry,) = entries(cache_dir)
+  merges = json.loads((cache_dir / "weights" / entry / "tokenizer.json").read_text())["model"]["merges"]
+  assert merges and all(isinstance(m, str) and len(m.split(" ")) == 2 for m in merges)
+
+
+def test_a_hit_parses_its_tokenizer_when_asked_and_a_damaged_one_is_read_from_the_source(cache_dir, monkeypatch,
+                                                                                         caplog):
+  """`source.load(defer_tokenizer=True)` returns the tokenizer as a function: on a hit the cached
+  file is parsed when it is called (an `LLM` has the first decode program load meanwhile); a
+  cached tokenizer that does not parse is read from the source instead, with a warning."""
+  _, _, tok, _ = load(GGUF)
+  parsed = []
+
+  class Counting:
+    @staticmethod
+    def from_file(path):
+      parsed.append(path)
+      return Backend.from_file(path)
+
+  monkeypatch.setattr(cache, "Backend", Counting)
+  timings = {}
+  _, _, deferred = source.load(str(GGUF), timings=timings, defer_tokenizer=True)
+  assert timings["weight_cache"] == "hit" and parsed == []
+  text = "Hello, world! <start_of_turn>"
+  assert deferred().encode(text) == tok.encode(text) and len(parsed) == 1
+  (entry,) = entries(cache_dir)
+  (cache_dir / "weights" / entry / "tokenizer.json").write_text("{")
+  with caplog.at_level(logging.WARNING):
+    for defer in (True, False):
+      _, _, again = source.load(str(GGUF), timings=timings, defer_tokenizer=defer)
+      assert timings["weight_cache"] == "hit"
+      assert (again() if defer else again).encode(text) == tok.encode(text)
+  assert "unreadable tokenizer" in caplog.text
+
+
+@pytest.mark.slow
+def test_a_later_start_loads_the_first_decode_program_before_the_first_prefill_runs(cache_dir, tmp_path):
+  """A start that hits the weight cache traces the first decode program in `LLM()` and loads it
+  from the persistent compilation cache while the tokenizer is parsed; the first prefill runs
+  after that load (a load then would sit on top of the resident weights), and nothing is built
+  twice: the second start looks up as many programs as the first compiled, and all hit."""
+  code = f"""
+import json
+from jaxgen import LLM, SamplingParams
+from jaxgen.decode import compiles, steps
+llm = LLM({str(GGUF)!r}, max_len=64, max_batch=2, compilation_cache_dir={str(tmp_path / "xla")!r})
+ahead = llm.engine._ahead is not None
+waited = []
+prefill = steps.Programs.prefill
+
+def watched(self, *args, **kwargs):
+  waited.append(llm.engine._ahead is None)
+  return prefill(self, *args, **kwargs)
+
+steps.Programs.prefill = watched
+out = llm.generate(["Hello"], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0]
+print(json.dumps(dict(cache=llm.timings["weight_cache"], tokenizer_s="tokenizer_s" in llm.timings, ahead=ahead,
+                      waited=waited, tokens=out.outputs[0].token_ids, phases=compiles.phases())))
+"""
+  env = dict(os.environ, JAXGEN_CACHE_DIR=str(cache_dir))
+  first, second = (json.loads(subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=300,
+                                             capture_output=True, text=True).stdout.splitlines()[-1])
+                   for _ in range(2))
+  assert first["cache"].startswith("miss") and not first["ahead"]
+  assert first["phases"]["cache_misses"] >= 3  # the state's allocation, prefill and decode at least
+  assert second["cache"] == "hit" and second["ahead"] and second["tokenizer_s"]
+  assert second["waited"] == [True]
+  assert second["phases"]["cache_misses"] == 0
+  assert second["phases"]["cache_hits"] == first["phases"]["cache_misses"] + first["phases"]["cache_hits"]
+  assert second["tokens"] == first["tokens"]
 
 
 def test_other_dtype_or_changed_file_is_a_miss(cache_dir, tmp_path):
@@ -119,8 +194,8 @@ def test_a_hit_places_the_mapped_files_without_copying_them(cache_dir, monkeypat
   mapped = {}
   read = cache.read
 
-  def keep(directory):
-    hit = read(directory)
+  def keep(directory, **kwargs):
+    hit = read(directory, **kwargs)
     mapped.update(hit[1])
     return hit
 
@@ -136,7 +211,7 @@ def test_a_hit_places_the_mapped_files_without_copying_them(cache_dir, monkeypat
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc_trim")
 def test_a_load_hands_the_freed_c_heap_back():
   """What a load frees on the C heap (a tokenizer's JSON parse, a conversion) goes back to the OS
-  (`source._return_freed_heap`) instead of staying resident under the weights. Here: 100 MiB of
+  (`platform.return_freed_heap`) instead of staying resident under the weights. Here: 100 MiB of
   small blocks freed below a live one, which glibc keeps until trimmed."""
   libc = ctypes.CDLL("libc.so.6")
   libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
@@ -153,7 +228,7 @@ def test_a_load_hands_the_freed_c_heap_back():
   for b in blocks:
     libc.free(b)
   held = resident()
-  source._return_freed_heap()
+  platform.return_freed_heap()
   assert held - resident() > 64 << 20
   libc.free(keep)
 
