@@ -34,7 +34,7 @@ def path_str(path) -> str:
 
 def abstract_model(cfg: ModelConfig, dtype) -> Transformer:
   """The model with ShapeDtypeStructs instead of arrays: no memory, no FLOPs."""
-  return nnx.eval_shape(lambda: Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+  return nnx.eval_shape(lambda: Transformer(cfg, dtype=dtype))
 
 
 def param_specs(cfg: ModelConfig, dtype) -> dict[str, ParamSpec]:

@@ -27,13 +27,16 @@ from jaxgen.model.matmul import project
 from jaxgen.model.platform import REFERENCE, Platform
 
 
-def _param(rngs: nnx.Rngs, shape, axes, dtype, std: float = 0.02) -> nnx.Param:
-  """A randomly initialised parameter (normal with `std`) carrying its logical axis names."""
+def _param(rngs: nnx.Rngs | None, shape, axes, dtype, std: float = 0.02) -> nnx.Param:
+  """A randomly initialised parameter (normal with `std`) carrying its logical axis names; zeros
+  without `rngs`."""
+  if rngs is None:
+    return nnx.Param(jnp.zeros(shape, dtype), axes=axes)
   value = (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
   return nnx.Param(value, axes=axes)
 
 
-def _weight(module: nnx.Module, name: str, cfg: ModelConfig, rngs: nnx.Rngs, shape, axes, dtype) -> None:
+def _weight(module: nnx.Module, name: str, cfg: ModelConfig, rngs: nnx.Rngs | None, shape, axes, dtype) -> None:
   """Declares projection or embedding weight `name` [..., in]: in `dtype`, or under int8
   quantization as int8 values plus a float32 `{name}_scale` [..., in / G] (see `model.quant`)."""
   param = _param(rngs, shape, axes, dtype)
@@ -58,7 +61,7 @@ def _norm(cfg: ModelConfig, shape, axes, dtype) -> nnx.Param:
 class Block(nnx.Module):
   """One decoder layer: (sandwich-normed) attention then gated MLP, both residual."""
 
-  def __init__(self, cfg: ModelConfig, index: int, *, dtype, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, index: int, *, dtype, rngs: nnx.Rngs | None):
     d, n, k, h, f = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim
     self.cfg, self.kind = cfg, cfg.layer_kinds[index]
     self.attn_norm = _norm(cfg, (d,), ("embed",), dtype)
@@ -143,7 +146,8 @@ class Transformer(nnx.Module):
   """Token ids -> hidden states -> logits. Layers are unrolled (no scan over stacked weights)."""
 
   def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None):
-    rngs = rngs or nnx.Rngs(0)
+    """rngs: random initialisation. Without it the weights are zeros: for building the structure
+    only (under `nnx.eval_shape`), where tracing 200 random initialisers would cost a start ~0.1 s."""
     self.cfg = cfg
     _weight(self, "embed", cfg, rngs, (cfg.vocab_size, cfg.embed_dim), ("vocab", "embed"), dtype)
     self.layers = nnx.List([Block(cfg, i, dtype=dtype, rngs=rngs) for i in range(cfg.num_layers)])
