@@ -130,7 +130,8 @@ def cmd_generate(a) -> int:
     spec = llm.engine.spec
     t = llm.timings
     print(f"# loaded in {load_s:.1f} s (weights {t.get('read_s', 0):.1f} s, weight cache: {t.get('weight_cache')}; "
-          f"placed {t.get('place_s', 0):.1f} s), warm-up {warm_s:.1f} s; KV cache "
+          f"placed {t.get('place_s', 0):.1f} s, tokenizer {t.get('tokenizer_s', 0):.1f} s), warm-up {warm_s:.1f} s; "
+          f"KV cache "
           f"{spec.total_bytes(llm.cfg) / 2**20:.0f} MiB: {spec.bytes_per_slot(llm.cfg) / 2**20:.1f} MiB per slot, "
           f"{spec.bytes_per_token(llm.cfg) / 1024:.1f} KiB per token", file=sys.stderr)
   sys.stdout.write(prompt)

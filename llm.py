@@ -7,13 +7,14 @@ import functools
 import os
 import time
 import warnings
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import jax
 import numpy as np
 from flax import nnx
 from jaxgen.checkpoints import source, weights
 from jaxgen.checkpoints.chat import chat_format, conversations
+from jaxgen.checkpoints.tokenizer import Tokenizer
 from jaxgen.decode import draft, prefix, speculative
 from jaxgen.decode.buckets import bucket, powers_of_two
 from jaxgen.decode.cache import CacheSpec
@@ -91,14 +92,20 @@ class LLM:
       cpu_kernels.prepare()  # a first build of the CPU kernels runs while the weights are read
     resolve(quantization=quantization, kernels=cpu_kernels.Status(True, "not yet known"))  # bad options: before any load
     self.dtype = dtype
-    self.timings: dict = {}  # start-up by phase: read_s, place_s, weight_cache, engine_s (then warmup_s)
+    # Start-up by phase: read_s, place_s, weight_cache, engine_s, tokenizer_s (then warmup_s).
+    self.timings: dict = {}
     if _weights is None:
-      self.cfg, self.model, self.tokenizer = source.load(model, dtype, mesh=self.mesh, quantization=quantization,
-                                                         timings=self.timings)
+      self.cfg, self.model, tokenizer = source.load(model, dtype, mesh=self.mesh, quantization=quantization,
+                                                    timings=self.timings, defer_tokenizer=True)
     else:  # LLM.from_weights
-      cfg, tree, self.tokenizer = _weights
+      cfg, tree, given = _weights
+      tokenizer = lambda: given  # noqa: E731
       self.model = weights.from_tree(cfg, tree, dtype, mesh=self.mesh, quantization=quantization)
       self.cfg = self.model.cfg
+    # A later start (weights from the weight cache, programs likely in the compilation cache)
+    # loads the first decode program while the tokenizer is parsed (`Engine.build_decode_ahead`).
+    ahead = self.timings.get("weight_cache") == "hit" and spec_cfg is None
+    self.tokenizer = None if ahead else self._parse_tokenizer(tokenizer)
     self.platform = resolve(quantization=self.cfg.weight_quant)  # an orbax checkpoint saved int8 restores int8
     _warn_if_kernels_failed(self.platform)
     self.max_len = min(max_len, self.cfg.max_context)
@@ -136,7 +143,16 @@ class LLM:
       self.plan = plan().check()  # the engine keeps no store
     self.logits_buckets = powers_of_two(self.cfg.max_context, MIN_PROMPT_BUCKET)
     self.timings["engine_s"] = time.perf_counter() - t1
+    if ahead:
+      self.engine.build_decode_ahead()
+      self.tokenizer = self.engine.tokenizer = self._parse_tokenizer(tokenizer)
     self.load_s = time.perf_counter() - t0
+
+  def _parse_tokenizer(self, tokenizer: Callable[[], Tokenizer]) -> Tokenizer:
+    t0 = time.perf_counter()
+    out = tokenizer()
+    self.timings["tokenizer_s"] = time.perf_counter() - t0
+    return out
 
   @classmethod
   def from_weights(cls, config: ModelConfig, weights_tree, tokenizer, *, dtype: str | None = None, **kwargs) -> "LLM":

@@ -71,7 +71,7 @@ def main() -> None:
           ("  LLM()", "llm_s")]
   for label, key in rows:
     print(f"{label:<24} {fresh[key]:7.1f}s {later[key]:7.1f}s")
-  for key in ("read_s", "place_s", "engine_s"):
+  for key in ("read_s", "place_s", "engine_s", "tokenizer_s"):
     print(f"{'    ' + key:<24} {fresh['timings'].get(key, 0):7.1f}s {later['timings'].get(key, 0):7.1f}s")
   print(f"{'    weight cache':<24} {fresh['timings'].get('weight_cache', '').split(' ')[0]:>8} "
         f"{later['timings'].get('weight_cache', ''):>8}")

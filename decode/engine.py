@@ -30,7 +30,9 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import logging
 import random
+import threading
 import time
 from typing import Iterable, Sequence
 
@@ -51,7 +53,9 @@ from jaxgen.decode.prefix import BLOCK
 from jaxgen.decode.steps import Programs, place_state, place_store, store_shardings
 from jaxgen.decode.text import IncrementalDetokenizer, find_stop, holdback
 from jaxgen.model.config import LOCAL
-from jaxgen.model.platform import Platform, resolve
+from jaxgen.model.platform import Platform, resolve, return_freed_heap
+
+log = logging.getLogger(__name__)
 
 _SAMPLE_SEED_STRIDE = 0x9E3779B97F4A7C15  # sample i of a request uses seed + i * stride (mod 2**64)
 MIN_PROMPT_BUCKET = 16
@@ -206,6 +210,49 @@ class Engine:
     self.decode_buckets = collections.Counter()  # rows of each decode step run: how many steps
     self._decode_built: set[int] = set()  # row buckets whose decode (or verify) program has run
     self._aborted: list[_Request] = []  # aborted since the last step, reported by the next
+    self._ahead: threading.Thread | None = None  # `build_decode_ahead`'s build, until it is waited for
+
+  def build_decode_ahead(self) -> None:
+    """Traces the decode program a first request runs (the smallest row bucket), then compiles it
+    or loads it from the persistent cache on a thread, and returns: the caller's next work (an
+    `LLM` parses its tokenizer, which holds the GIL but not the cores) hides the load.
+
+    Why ahead: the first prefill makes the weights resident, and a build after it holds its
+    transient memory (a load parses several copies of the program) on top of them, which sets the
+    peak of a start. So the first prefill waits for a load before it runs (tracing its own program
+    meanwhile, loading it after). A compilation from scratch (a cold cache: seconds) is not waited
+    for there; the first decode step waits for it, as it would have built the program itself.
+    `warmup()` waits for it too."""
+    if self._ahead is not None or jax.process_count() > 1:  # processes build in step, in order
+      return
+    rows = self.row_buckets[0]
+    lowered = self.programs.decode.lower(self.params, self.state, np.zeros(rows, np.bool_), np.bool_(False))
+
+    def build():
+      try:
+        lowered.compile()
+      except Exception as e:  # built (and the error raised) on first use instead
+        log.warning("building the decode program ahead failed (%s: %s)", type(e).__name__, e)
+
+    self._ahead = threading.Thread(target=build, name="jaxgen-decode-ahead")
+    self._ahead.start()
+
+  def _await_ahead(self, *, unless_compiling: bool = False) -> None:
+    """Waits for `build_decode_ahead`'s build. unless_compiling: returns at once if the build
+    missed the persistent cache (or there is none), leaving it for a later call to wait for."""
+    ahead = self._ahead
+    if ahead is None:
+      return
+    if unless_compiling and ahead.is_alive():
+      if not compiles.persistent_cache_on():
+        return
+      while ahead.is_alive() and compiles.cache_lookup(ahead) is None:
+        ahead.join(0.005)  # not looked up yet
+      if ahead.is_alive() and compiles.cache_lookup(ahead) == "cache_misses":
+        return
+    ahead.join()
+    self._ahead = None
+    return_freed_heap()  # what the load freed, before the weights are touched
 
   @property
   def num_programs(self) -> int:
@@ -323,7 +370,10 @@ class Engine:
       for s in running:
         active[s.slot] = True
       want = np.bool_(any(s.req.params.logprobs is not None for s in running))
-      c0, t0 = compiles.seconds(), time.perf_counter()  # a draft's work counts as decode time
+      t0 = time.perf_counter()
+      self._await_ahead()
+      waited = time.perf_counter() - t0  # a build ahead still compiling: compile time to the metrics
+      c0 = compiles.seconds()  # a draft's work counts as decode time
       proposals = self._proposals(running, rows) if self.spec_cfg is not None else None
       if proposals is None:
         self.state, out = self.programs.decode(self.params, self.state, active, want)
@@ -333,7 +383,8 @@ class Engine:
         extra = (accepted, proposals[1])
       self.decode_buckets[rows] += 1
       self._decode_built.add(rows)
-      self._pending.append(("decode", out, [(s.slot, s) for s in running], t0, compiles.seconds() - c0, extra))
+      self._pending.append(("decode", out, [(s.slot, s) for s in running], t0, waited + compiles.seconds() - c0,
+                            extra))
     updated.update({r.id: r for r in self._aborted})
     self._aborted = []
     # Read back everything dispatched before this step; keep this step's in flight. When nothing
@@ -392,9 +443,15 @@ class Engine:
     tokens[0, :n] = req.prompt_ids[start:start + n]
     row = self._row_params(req, seq0)
     want = np.bool_(req.params.logprobs is not None)
-    c0, t0 = compiles.seconds(), time.perf_counter()
-    self.state, out = self.programs.prefill(self.params, self.state, tokens, np.array([n], np.int32),
-                                            np.array([seq0.slot], np.int32), row, want, fresh=start == 0)
+    args = (self.params, self.state, tokens, np.array([n], np.int32), np.array([seq0.slot], np.int32), row, want)
+    t0 = time.perf_counter()
+    if self._ahead is not None:  # the decode program loads: trace this one meanwhile, load it after
+      lowered = self.programs.lower_prefill(*args, fresh=start == 0)
+      self._await_ahead(unless_compiling=True)
+      lowered.compile()
+    waited = time.perf_counter() - t0  # building programs: compile time to the metrics
+    c0 = compiles.seconds()
+    self.state, out = self.programs.prefill(*args, fresh=start == 0)
     req.prefilled += n
     if self.index is not None:
       floor = 0 if self.ring is None else req.prefilled - self.ring
@@ -404,7 +461,7 @@ class Engine:
       for seq in req.seqs[1:]:
         self.state = self.programs.fork(self.state, np.int32(seq0.slot), np.int32(seq.slot),
                                         self._row_params(req, seq), np.int32(req.prompt_ids[-1]))
-    self._pending.append(("prefill", out, [(0, seq0)] if final else [], t0, compiles.seconds() - c0, n))
+    self._pending.append(("prefill", out, [(0, seq0)] if final else [], t0, waited + compiles.seconds() - c0, n))
     return n
 
   # ------------------------------------------------------------------------------ prefix caching
@@ -628,6 +685,7 @@ class Engine:
     throwaway request state.
     """
     t0 = time.perf_counter()
+    self._await_ahead()
     dummy = _Request("warmup", None, [0], SamplingParams(max_tokens=1), 1, frozenset(), RequestMetrics(t0, 1))
     row = self._row_params(dummy, _Seq(dummy, 0, 0, CompletionOutput(0), None))
     for fresh in (True, False):

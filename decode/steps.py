@@ -291,6 +291,12 @@ class Programs:
   def prefill(self, params, state, tokens, counts, slots, row_params, want_logprobs, *, fresh: bool):
     return self._prefill[fresh](params, state, tokens, counts, slots, row_params, want_logprobs)
 
+  def lower_prefill(self, params, state, tokens, counts, slots, row_params, want_logprobs, *, fresh: bool):
+    """The prefill program for these arguments traced and lowered (`jax.stages.Lowered`): its
+    `compile()` compiles it or loads it from the persistent cache, and a call with these arguments
+    then finds it built."""
+    return self._prefill[fresh].lower(params, state, tokens, counts, slots, row_params, want_logprobs)
+
 
 def store_shardings(cfg: ModelConfig, spec: prefix.StoreSpec, mesh):
   """The prefix store's NamedShardings, from the rules table."""

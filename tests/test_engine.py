@@ -3,6 +3,8 @@ aborts, per-request errors, metrics and zero compilations after warm-up."""
 
 import functools
 import random
+import threading
+import time
 
 import jax
 import numpy as np
@@ -279,6 +281,45 @@ def test_warmup_compiles_a_number_of_programs_that_grows_with_log2_of_max_batch(
     counted[slots] = sum(f._cache_size() for f in jitted)
     assert counted[slots] == eng.num_programs
   assert counted[8] - counted[2] == 2
+
+
+def test_the_decode_program_built_ahead_is_the_one_the_first_decode_step_runs():
+  """`build_decode_ahead` traces the first decode program and loads it on a thread; the first
+  decode step then builds nothing, and the tokens are those of an engine that built it itself."""
+  params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+  want = run(make_engine(slots=2, max_len=64, chunk=32), [([5, 6, 7, 8], params)])[0].outputs[0].token_ids
+  eng = make_engine(slots=2, max_len=64, chunk=32)
+  eng.build_decode_ahead()
+  assert eng._ahead is not None
+  rid = eng.add_request([5, 6, 7, 8], params)
+  assert [len(o.outputs[0].token_ids) for o in eng.step()] == [1]
+  eng._await_ahead()  # as the first decode step does (no persistent cache here: nothing waited so far)
+  before = compiles.count()
+  outs = eng.step()
+  assert compiles.count() == before, "the first decode step built its program again"
+  while eng.has_unfinished():
+    outs += eng.step()
+  assert [o for o in outs if o.request_id == rid and o.finished][0].outputs[0].token_ids == want
+
+
+def test_the_first_prefill_waits_for_a_load_ahead_but_not_for_a_compilation(monkeypatch):
+  """A decode program loading from the persistent cache is waited for before the first prefill
+  runs (the weights are not yet resident); one compiling from scratch is not, and the first decode
+  step waits for it instead."""
+  eng = make_engine(slots=2, max_len=64, chunk=32)
+  monkeypatch.setattr(compiles, "persistent_cache_on", lambda: True)
+  for lookup, waits in (("cache_hits", True), ("cache_misses", False)):
+    release = threading.Event()
+    eng._ahead = threading.Thread(target=release.wait, args=(30,))
+    eng._ahead.start()
+    monkeypatch.setattr(compiles, "cache_lookup", lambda thread, lookup=lookup: lookup)
+    threading.Timer(0.3, release.set).start()
+    t0 = time.perf_counter()
+    eng._await_ahead(unless_compiling=True)
+    assert (time.perf_counter() - t0 >= 0.25) == waits, lookup
+    assert (eng._ahead is None) == waits
+    eng._await_ahead()  # what the first decode step does
+    assert eng._ahead is None
 
 
 def test_first_tokens_go_out_before_the_first_decode_program_is_built():
