@@ -128,9 +128,8 @@ def load(path: str | None, dtype="float32", place: Callable[[str, np.ndarray], j
   model = assemble(cfg, dtype, placed)
   platform.return_freed_heap()  # the tokenizer's build or a conversion freed ~200 MB
   timings["place_s"] = time.perf_counter() - t0
-  if defer_tokenizer:
-    return cfg, model, tokenizer if callable(tokenizer) else (lambda: tokenizer)
-  return cfg, model, tokenizer() if callable(tokenizer) else tokenizer
+  parse = tokenizer if callable(tokenizer) else (lambda: tokenizer)  # a function on a hit only
+  return cfg, model, parse if defer_tokenizer else parse()
 
 
 def _cached_tokenizer(parse: Callable[[], Tokenizer], path: str, kind: str, where: str) -> Tokenizer:
@@ -139,4 +138,3 @@ def _cached_tokenizer(parse: Callable[[], Tokenizer], path: str, kind: str, wher
   except Exception as e:  # a damaged entry is not an error: the source has the tokenizer too
     log.warning("ignoring the unreadable tokenizer of weight cache entry %s (%s: %s)", where, type(e).__name__, e)
     return read_tokenizer(path, kind)
-

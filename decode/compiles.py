@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import threading
+import weakref
 
 import jax
 from jaxgen.model.platform import return_freed_heap
@@ -27,7 +28,7 @@ class _Counter:
     self.count = 0
     self.seconds = 0.0
     self.by_phase: collections.Counter = collections.Counter()
-    self.lookups: dict[threading.Thread, str] = {}  # thread -> its latest persistent-cache lookup
+    self.lookups = weakref.WeakKeyDictionary()  # thread -> its latest persistent-cache lookup
     self._lock = threading.Lock()
 
   def __call__(self, event: str, duration: float, **_):

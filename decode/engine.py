@@ -371,7 +371,8 @@ class Engine:
         active[s.slot] = True
       want = np.bool_(any(s.req.params.logprobs is not None for s in running))
       t0 = time.perf_counter()
-      self._await_ahead()
+      if self._ahead is not None:
+        self._await_ahead()
       waited = time.perf_counter() - t0  # a build ahead still compiling: compile time to the metrics
       c0 = compiles.seconds()  # a draft's work counts as decode time
       proposals = self._proposals(running, rows) if self.spec_cfg is not None else None
