@@ -20,7 +20,7 @@ from jaxgen.sharding.rules import param_shardings, place_tree
 
 def from_tree(cfg: ModelConfig, tree: Mapping, dtype, *, mesh=None, quantization: str | None = None) -> Transformer:
   """A Transformer over `tree`'s arrays (checked by name, shape and dtype; float weights quantized
-  on device when `quantization="int8"`); on `mesh`, each array is placed by the rules table."""
+  where they live when `quantization="int8"`); on `mesh`, each array is placed by the rules table."""
   quant.check(quantization)
   if quantization:
     cfg = dataclasses.replace(cfg, weight_quant=quantization)

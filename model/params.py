@@ -120,7 +120,9 @@ def check_tree(cfg: ModelConfig, dtype, tree: Mapping[str, jax.Array | np.ndarra
                source: str = "tree") -> dict[str, jax.Array | np.ndarray]:
   """A {name: array} tree checked against the declared parameters: every name, shape and dtype
   (ValueError naming the first that differs). Under int8 quantization a weight given in float
-  (without its `_scale`) is quantized here, on its device (`quant.quantize`)."""
+  (without its `_scale`) is quantized here where it lives: a jax.Array on its devices, keeping its
+  sharding (`quant.quantize`); a host (numpy) array on the host (`quant.quantize_np`), to be placed
+  shard by shard like any host array, never whole on one device."""
   specs = param_specs(cfg, dtype)
   scales = {n for n in specs if n.endswith(quant.SCALE_SUFFIX)}
   if not isinstance(tree, Mapping):
@@ -142,8 +144,8 @@ def check_tree(cfg: ModelConfig, dtype, tree: Mapping[str, jax.Array | np.ndarra
     if scale_name in specs and np.dtype(x.dtype) != np.int8:  # a float weight of an int8 model
       if scale_name in tree:
         raise ValueError(f"{source}[{scale_name!r}] is given with a float {name!r}: give int8 values with "
-                         "their scales, or the float weight alone (it is quantized on its device)")
-      out[name], out[scale_name] = _quantize(jnp.asarray(x))
+                         "their scales, or the float weight alone (it is quantized where it lives)")
+      out[name], out[scale_name] = _quantize(x) if isinstance(x, jax.Array) else quant.quantize_np(x)
       continue
     if np.dtype(x.dtype) != np.dtype(spec.dtype):
       raise ValueError(f"{source}[{name!r}] has dtype {np.dtype(x.dtype)}, expected {np.dtype(spec.dtype)}")

@@ -19,7 +19,7 @@ from jaxgen.checkpoints.convert import convert
 from jaxgen.decode import compiles
 from jaxgen.decode.engine import Engine
 from jaxgen.model import quant
-from jaxgen.model.params import build_model, flat_params, param_specs
+from jaxgen.model.params import build_model, check_tree, flat_params, param_specs
 
 HF = pathlib.Path(__file__).parent / "data" / "hf"
 
@@ -115,6 +115,30 @@ def test_int8_weights_without_their_scales_are_refused_by_name():
     build_model(qcfg, broken, "float32", source="test")
 
 
+def test_check_tree_quantizes_host_weights_on_the_host_and_device_weights_where_they_live():
+  """A float tree given to an int8 model (`LLM.from_weights`, `update_weights`): numpy weights are
+  quantized on the host (no transfer to a device: a large model's weights never go whole through
+  device 0 before sharding), jax.Arrays on their devices, keeping their sharding; the same int8
+  values both ways, the scales within a float32 ulp."""
+  model, _, host = quantized_pair()
+  qcfg = dataclasses.replace(model.cfg, weight_quant="int8")
+  on_device = flat_params(model)
+  with jax.transfer_guard_host_to_device("disallow"):
+    from_host = check_tree(qcfg, "float32", host)
+  from_device = check_tree(qcfg, "float32", on_device)
+  quantized = [n for n in host if n + quant.SCALE_SUFFIX in param_specs(qcfg, "float32")]
+  assert len(quantized) == 5 * 4 + 1  # q, kv, o, gate_up, down per layer (4 layers) and the embedding
+  for name in quantized:
+    for n in (name, name + quant.SCALE_SUFFIX):
+      assert isinstance(from_host[n], np.ndarray), n
+      assert isinstance(from_device[n], jax.Array) and from_device[n].sharding == on_device[name].sharding, n
+    np.testing.assert_array_equal(from_host[name], np.asarray(from_device[name]), err_msg=name)
+    # The scales: XLA divides by 127 as a multiply, numpy does not. Measured: at most 1 ulp apart,
+    # 1.14e-7 relative (a float32 ulp is 6e-8 to 1.2e-7 of the value).
+    host_scale, device_scale = from_host[name + quant.SCALE_SUFFIX], np.asarray(from_device[name + quant.SCALE_SUFFIX])
+    np.testing.assert_allclose(host_scale, device_scale, rtol=1.2e-7, atol=0, err_msg=name)
+
+
 def test_quantized_logits_are_those_of_the_dequantized_weights():
   """The int8 model computes what float weights equal to values * scale compute."""
   model, qmodel, _ = quantized_pair()
@@ -174,8 +198,11 @@ def test_hf_model_quantizes_on_load_and_stays_close_to_transformers(qwen3_int8):
   assert qwen3_int8.model.layers[0].q[...].dtype == jnp.int8
   for i in range(len(record["prompts"])):
     got, want = qwen3_int8.logits(arrays[f"ids_{i}"].tolist()), arrays[f"logits_{i}"]
-    assert np.abs(got - want).max() < 0.05 * np.abs(want).max()
-    assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.9
+    # Measured: the largest logit error 0.0057 to 0.0070 of the largest logit (0.19 to 0.23 of 31
+    # to 33) over the 3 prompts. Every reference top-2 margin is at least 2.3, ten times that error:
+    # the top token is the same at every position (measured: all 132).
+    assert np.abs(got - want).max() <= 0.02 * np.abs(want).max(), i
+    assert np.array_equal(got.argmax(-1), want.argmax(-1)), i
 
 
 def test_convert_quantize_writes_a_checkpoint_that_restores_quantized(tmp_path, qwen3_int8):
