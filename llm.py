@@ -181,10 +181,11 @@ class LLM:
     Arrays already laid out like the current ones are used as they are (no copy); others move
     device to device, host arrays are placed by the rules table. Under int8 quantization float
     weights (without scales) are quantized where they live: a jax.Array on its devices, a numpy
-    array on the host. A tree that differs is refused with a ValueError naming the first differing name, shape or dtype, and the old weights stay in use.
-    Requests in flight are aborted (finish_reason "abort": their tokens so far came from the old
-    weights); the prefix cache is emptied. A draft model keeps its own weights (speculation stays
-    exact, it may accept fewer proposals). Not while a server's engine loop owns the engine.
+    array on the host. A tree that differs is refused with a ValueError naming the first differing
+    name, shape or dtype, and the old weights stay in use. Requests in flight are aborted
+    (finish_reason "abort": their tokens so far came from the old weights); the prefix cache is
+    emptied. A draft model keeps its own weights (speculation stays exact, it may accept fewer
+    proposals). Not while a server's engine loop owns the engine.
     """
     eng = self.engine
     current = self.weights()
