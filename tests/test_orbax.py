@@ -216,6 +216,21 @@ def test_restore_onto_an_8_device_mesh(converted, llm, tmp_path):
   assert got["devices"] == 8
   assert got["layout_mismatches"] == [] and got["checked"] == len(flat_params(llm.model))
   assert got["sharded_over_model"] > 0  # not everything replicated
+  # The layouts the rules (sharding/rules.py, docs/sharding.md) give Gemma 3 270M (N=4 heads,
+  # K=1 kv head) on data=2 x model=4, written out by hand: heads, mlp and vocab split over
+  # `model`; a single kv head, `embed` and `head_dim` replicated.
+  m = "model"
+  assert got["specs"] == {
+      "embed": [m, None],  # [V, D]: split by vocabulary
+      "layers.0.q": [m, None, None],  # [N, H, D]: column-parallel, whole heads
+      "layers.0.kv": [None, None, None, None],  # [K, 2, H, D]: K=1 does not divide 4, replicated
+      "layers.0.o": [None, m],  # [D, N*H]: row-parallel
+      "layers.0.gate_up": [m, None, None],  # [F, 2, D]: column-parallel
+      "layers.0.down": [None, m],  # [D, F]: row-parallel
+      "layers.0.attn_norm": [None],
+      "layers.0.k_norm": [None],  # [H]
+      "final_norm": [None],
+  }
   assert got["digests"] == digests(flat_params(llm.model))  # bit-identical to the GGUF load
   assert got["greedy"] == greedy(llm, PROMPTS[0])
   # a tiny model saved from a 2x4 mesh, restored onto 4x2 and 8x1
@@ -260,6 +275,11 @@ def _worker(ckpt: str, tmp: str) -> dict:
   mesh = as_mesh(MeshConfig(data=2, model=4))
   cfg, model, tok = restore(ckpt, shardings=functools.partial(param_shardings, mesh=mesh))
   out["layout_mismatches"], out["sharded_over_model"], out["checked"] = layout(model, mesh)
+  named = ("embed", "layers.0.q", "layers.0.kv", "layers.0.o", "layers.0.gate_up", "layers.0.down",
+           "layers.0.attn_norm", "layers.0.k_norm", "final_norm")
+  params = flat_params(model)
+  out["specs"] = {name: [*params[name].sharding.spec] + [None] * (params[name].ndim - len(params[name].sharding.spec))
+                  for name in named}
   out["digests"] = digests(flat_params(model))
   spec = CacheSpec(slots=2, max_len=64)
   engine = Engine(model, tok, max_batch=2, max_len=64,

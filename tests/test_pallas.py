@@ -96,4 +96,3 @@ def test_the_device_check_script_is_green_on_cpu(tmp_path):
   r = json.loads(out.read_text())
   assert r["kernel_max_abs_diff"]["float32"] <= 1e-5 and r["kernel_max_abs_diff"]["bfloat16"] <= 2e-2
   assert r["greedy_tokens_agree_xla_pallas"] is True
-  assert {d["batch"] for d in r["decode"]} == {1, 8, 64} and r["prefill"][0]["prompt_len"] == 2048

@@ -208,11 +208,23 @@ def test_a_hit_places_the_mapped_files_without_copying_them(cache_dir, monkeypat
     assert x.unsafe_buffer_pointer() == mapped[name].ctypes.data, f"{name} was copied when placed"
 
 
+def test_a_load_hands_the_freed_c_heap_back(cache_dir, monkeypatch):
+  """What a load frees on the C heap (the tokenizer's JSON parse, the conversion) goes back to the
+  OS: `source.load` calls `platform.return_freed_heap` once, after the source is read and converted
+  (what the trim itself does: the next test)."""
+  calls = []
+  timings = {}
+  monkeypatch.setattr(platform, "return_freed_heap", lambda: calls.append(dict(timings)))
+  source.load(str(GGUF), timings=timings)  # a miss: the GGUF read and converted
+  cache.wait()
+  assert len(calls) == 1, calls
+  assert "read_s" in calls[0]  # after the reading and converting, whose garbage it returns
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc_trim")
-def test_a_load_hands_the_freed_c_heap_back():
-  """What a load frees on the C heap (a tokenizer's JSON parse, a conversion) goes back to the OS
-  (`platform.return_freed_heap`) instead of staying resident under the weights. Here: 100 MiB of
-  small blocks freed below a live one, which glibc keeps until trimmed."""
+def test_trimming_returns_freed_small_blocks_to_the_os():
+  """`platform.return_freed_heap` hands back what glibc would keep: 100 MiB of small blocks freed
+  below a live one (the heap's top cannot shrink on its own)."""
   libc = ctypes.CDLL("libc.so.6")
   libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
   libc.free.argtypes = [ctypes.c_void_p]
