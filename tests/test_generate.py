@@ -14,6 +14,13 @@ from jaxgen.model.platform import REFERENCE
 
 pytestmark = pytest.mark.slow
 
+# The bf16 cached run against the float32 reference: the largest |log-prob error| over the
+# reference's top 32, measured 0.285 (positions 599 to 607 of the long prompt; 0.11 to 0.18 at all
+# but one), bf16 rounding depending on the processor: 2.8x. The top token must agree wherever the
+# reference's top-2 margin exceeds REF_MARGIN nats (positions 602 to 606; measured: all 9 agree).
+REF_TOL = 0.8
+REF_MARGIN = 0.5
+
 
 def _cached_run(model, platform, ids, prompt_len, slot=2, slots=4, chunk=256, max_len=1536, cache_dtype="float32"):
   """Prefills ids[:prompt_len] into `slot` in chunks, then decodes the rest teacher-forced.
@@ -61,22 +68,30 @@ def test_prefill_then_decode_equals_uncached_across_the_ring(llm, golden, impl):
     np.testing.assert_allclose(logits, ref[pos], atol=1e-4, rtol=1e-4, err_msg=f"position {pos}")
 
 
-def test_accelerator_dtypes_prefill_then_decode_equal_uncached(llm_bf16, golden):
+def test_accelerator_dtypes_prefill_then_decode_equal_uncached_and_stay_near_the_reference(llm_bf16, golden):
   """bf16 weights, activations and cache through the plain formulation (as TPU and GPU run): 600
-  prompt tokens (the ring wrapped) and 8 decode steps against the uncached bf16 pass, which
-  rounds at the same points but in other orders: the logits within 0.5 (4 bf16 steps at their
-  magnitude), KL(uncached || cached) <= 1e-2 per position, and the same top token wherever the
-  uncached pass is decisive. (How XLA:CPU rounds bf16 sums depends on the processor: the worst
-  position's KL measured 2.8e-3 on one machine's CPU and 5.3e-3 on another's, the logits' worst
-  difference 0.375 on both. Logits one position off give KLs from 0.8 to 18.)"""
+  prompt tokens (the ring wrapped) and 8 decode steps.
+
+  Self-consistency: against the uncached bf16 pass, which rounds at the same points but in other
+  orders: the logits within 0.5 (4 bf16 steps at their magnitude), KL(uncached || cached) <= 1e-2
+  per position, and the same top token wherever the uncached pass is decisive. (How XLA:CPU rounds
+  bf16 sums depends on the processor: the worst position's KL measured 2.8e-3 on one machine's CPU
+  and 5.3e-3 on another's, the logits' worst difference 0.375 on both. Logits one position off give
+  KLs from 0.8 to 18.)
+
+  Against the independent reference (HF transformers, float32, the same positions of the long golden
+  prompt): the cached bf16 log-probs of the reference's top 32 within REF_TOL, and the same top token
+  wherever the reference's top-2 margin exceeds REF_MARGIN."""
+  g = golden["long"]
   ids = _long_ids(golden)[:608]
+  assert ids == g["ids"].tolist()[:608]
   model = llm_bf16.model
   gd, params = nnx.split(model)
   tokens = np.zeros((1, 1024), np.int32)
   tokens[0, :608] = ids
   ref = np.asarray(jax.jit(lambda p, t: steps.uncached_logits(gd, p, t, platform=REFERENCE))(params, tokens))[0, :608]
   last, decoded = _cached_run(model, REFERENCE, ids, 600, cache_dtype="bfloat16", max_len=640, slots=3)
-  worst, kls = 0.0, []
+  worst, kls, ref_err = 0.0, [], 0.0
   for pos, logits in [(599, last)] + list(enumerate(decoded, start=600)):
     worst = max(worst, float(np.abs(logits - ref[pos]).max()))
     lp, lq = _log_softmax(ref[pos]), _log_softmax(logits)
@@ -84,8 +99,13 @@ def test_accelerator_dtypes_prefill_then_decode_equal_uncached(llm_bf16, golden)
     top2 = np.sort(ref[pos])[-2:]
     if top2[1] - top2[0] > 0.5:
       assert logits.argmax() == ref[pos].argmax(), pos
-  print(f"bf16 cached vs uncached: max |logit diff| {worst:.3f}, KL max {max(kls):.2e} mean {np.mean(kls):.2e}")
+    ref_err = max(ref_err, float(np.abs(lq[g["top_ids"][pos]] - g["top_logprobs"][pos]).max()))
+    if g["top_logprobs"][pos, 0] - g["top_logprobs"][pos, 1] > REF_MARGIN:
+      assert logits.argmax() == g["top_ids"][pos, 0], pos
+  print(f"bf16 cached vs uncached: max |logit diff| {worst:.3f}, KL max {max(kls):.2e} mean {np.mean(kls):.2e}; "
+        f"vs the float32 reference: max top-32 |log-prob error| {ref_err:.3f}")
   assert worst <= 0.5 and max(kls) <= 1e-2, (worst, max(kls))
+  assert ref_err <= REF_TOL, ref_err
 
 
 def _log_softmax(x):

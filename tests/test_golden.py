@@ -1,14 +1,19 @@
 """The embedded Gemma 3 270M against golden data from HF transformers (float32, same GGUF).
 
-Tolerances: every reference top-32 log-probability within 1e-3 absolute at every position; argmax
-equal wherever the reference's top-2 margin exceeds 1e-2. bfloat16 weights: top-1 agreement and
-mean KL to the float32 distribution over the reference's top-32, with stated bounds.
+Tolerances: every reference top-32 log-probability within TOP32_TOL absolute at every position;
+argmax equal wherever the reference's top-2 margin exceeds 1e-2. bfloat16 weights, int8 weights and
+an int8 KV cache: top-1 agreement and mean KL to the float32 (bfloat16 cache) distribution, each
+bound at most 3x what was measured (the measurements beside each).
 """
 
 import numpy as np
 import pytest
 
 pytestmark = pytest.mark.slow
+
+# Measured: 9.0e-5 here, 9.4e-5 in an earlier measurement (float32: jaxgen's CPU kernels and XLA's
+# sums, whose order can differ by processor); 3x the larger.
+TOP32_TOL = 2.8e-4
 
 
 def log_softmax(x):
@@ -33,7 +38,7 @@ def test_float32_top32_logprobs_match_reference(f32_logprobs, golden):
     got = np.take_along_axis(lp, g["top_ids"], axis=-1)
     err = np.abs(got - g["top_logprobs"]).max()
     worst = max(worst, err)
-    assert err < 1e-3, f"{name}: max |logprob error| {err:.2e} over top-32"
+    assert err < TOP32_TOL, f"{name}: max |logprob error| {err:.2e} over top-32"
   print(f"worst top-32 log-prob error: {worst:.2e}")
 
 
@@ -46,12 +51,48 @@ def test_float32_argmax_matches_where_margin_is_clear(f32_logprobs, golden):
     assert bad.size == 0, f"{name}: argmax differs at positions {bad[:10]}"
 
 
-def test_long_prompt_crosses_the_sliding_window(golden):
-  assert len(golden["long"]["ids"]) > 1000
+def _top32_error(lp, g):
+  """Per position: the largest |log-prob error| over the reference's top 32."""
+  return np.abs(np.take_along_axis(lp, g["top_ids"], axis=-1) - g["top_logprobs"]).max(-1)
 
 
-@pytest.mark.parametrize("positions", [256, 32])
-def test_bfloat16_weights_stay_close(llm_bf16, f32_logprobs, golden, positions):
+def test_long_prompt_crosses_the_sliding_window(llm, f32_logprobs, golden):
+  """The long golden prompt exercises the ring layers' window: jaxgen matches the reference past
+  the window, and the same weights with a wider window (every other part of the model unchanged)
+  match it inside the window only. A window ignored or off by one would fail the golden tests."""
+  import dataclasses
+
+  import jax
+  import jax.numpy as jnp
+  from jaxgen.model.params import logits_fn
+
+  g, w = golden["long"], llm.cfg.sliding_window
+  assert len(g["ids"]) > 2 * w, (len(g["ids"]), w)
+  top = jnp.asarray(g["top_ids"])
+
+  def top32_logprobs(cfg):
+    forward = logits_fn(cfg, jnp.float32)  # the plain XLA path, one uncached pass
+    fn = jax.jit(lambda tree, ids: jnp.take_along_axis(jax.nn.log_softmax(forward(tree, ids)[0]), top, axis=-1))
+    return np.asarray(fn(llm.weights(), np.asarray(g["ids"], np.int32)[None])).astype(np.float64)
+
+  ours = _top32_error(f32_logprobs["long"], g)
+  wide = np.abs(top32_logprobs(dataclasses.replace(llm.cfg, sliding_window=2 * w)) - g["top_logprobs"]).max(-1)
+  print(f"window {w}: max top-32 error inside {ours[:w].max():.2e} (jaxgen) {wide[:w].max():.2e} (window {2 * w}); "
+        f"past it {ours[w:].max():.2e} (jaxgen), window {2 * w}: min {wide[w:].min():.2e}, "
+        f"median {np.median(wide[w:]):.2e}, max {wide[w:].max():.2e}")
+  # Measured: jaxgen 6.6e-5 inside the window and 9.0e-5 past it; the wider window 6.6e-5 inside
+  # (the same function there) and past it 0.086 at least (300x TOP32_TOL), median 7.4 nats. (A
+  # window one entry wider in jaxgen's mask gives 0.2 past it.)
+  assert ours[:w].max() < TOP32_TOL and ours[w:].max() < TOP32_TOL
+  assert wide[:w].max() < TOP32_TOL
+  assert np.all(wide[w:] > TOP32_TOL) and np.median(wide[w:]) > 1.0
+
+
+# (positions, mean KL bound): measured 1.4e-4 nats here and 1e-4 in an earlier measurement at 256
+# positions, 2.0e-4 in both at 32 (XLA's bf16 dot and jaxgen's kernel round differently, and how
+# XLA:CPU rounds bf16 depends on the processor); each bound under 3x the larger.
+@pytest.mark.parametrize("positions,kl_bound", [(256, 4e-4), (32, 5.8e-4)])
+def test_bfloat16_weights_stay_close(llm_bf16, f32_logprobs, golden, positions, kl_bound):
   # 32 positions or fewer: every projection has decode-sized row counts, so on a CPU with AVX-512
   # BF16 the whole pass runs on jaxgen's bf16 kernel (tests/test_cpu_kernels.py), not XLA's matmul.
   agree, total, kls = 0, 0, []
@@ -66,10 +107,9 @@ def test_bfloat16_weights_stay_close(llm_bf16, f32_logprobs, golden, positions):
   top1 = agree / total
   mean_kl = float(np.concatenate(kls).mean())
   print(f"bfloat16 vs float32 ({positions} positions): top-1 agreement {top1:.3f}, mean KL {mean_kl:.5f} nats")
-  # Measured: 0.994 and 1e-4 nats at 256 positions, 1.000 and 2e-4 at 32 (XLA's bf16 dot and jaxgen's
-  # kernel round differently); the bounds leave a small margin over both, so a real loss of
-  # precision (a float16 accumulator, a dropped norm offset) fails.
-  assert top1 >= 0.985 and mean_kl < 1e-3
+  # Top-1 agreement measured 0.994 at 256 positions, 1.000 at 32 (3x the disagreement: 0.982). A
+  # real loss of precision (a float16 accumulator, a dropped norm offset) fails.
+  assert top1 >= 0.985 and mean_kl < kl_bound, (top1, mean_kl)
 
 
 def test_logits_rejects_out_of_vocabulary_ids(llm):
@@ -100,7 +140,8 @@ def test_int8_weights_stay_close_to_float32(f32_logprobs, golden):
   llm_int8 = LLM(dtype="float32", quantization="int8", max_len=256, max_batch=1, seed=0)
   top1, kl = _agreement(f32_logprobs, golden, llm_int8.logits)
   print(f"int8 weights vs float32: top-1 agreement {top1:.4f}, mean KL {kl:.5f} nats")
-  assert top1 >= 0.98 and kl <= 0.01
+  # Measured: top-1 0.981 (1,393 of 1,420 positions), mean KL 7.1e-4 nats (float32 activations).
+  assert top1 >= 0.98 and kl <= 2e-3, (top1, kl)
 
 
 def test_int8_kv_cache_stays_close_to_bfloat16(llm_bf16, golden):
@@ -123,4 +164,6 @@ def test_int8_kv_cache_stays_close_to_bfloat16(llm_bf16, golden):
     kls.append((np.exp(ref) * (ref - got)).sum(-1))
   top1, kl = agree / total, float(np.concatenate(kls).mean())
   print(f"int8 KV vs bfloat16 KV ({total} positions): top-1 agreement {top1:.4f}, mean KL {kl:.5f} nats")
-  assert top1 >= 0.99 and kl <= 0.005
+  # Measured: top-1 0.9903 (711 of 718), mean KL 2.3e-4 nats, here and in an earlier measurement
+  # (bf16 activations, whose XLA:CPU rounding depends on the processor).
+  assert top1 >= 0.99 and kl <= 6.5e-4, (top1, kl)
