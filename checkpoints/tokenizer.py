@@ -89,7 +89,9 @@ class Tokenizer:
 
     Special-token text such as "<start_of_turn>" is always encoded as its single id.
     """
-    ids = self.backend.encode(text, add_special_tokens=False).ids
+    # encode_batch releases the GIL while it works (encode holds it throughout): a server
+    # tokenizing a long prompt on a worker thread must not stall its event loop meanwhile.
+    ids = self.backend.encode_batch([text], add_special_tokens=False)[0].ids
     if add_special_tokens:
       if self.add_bos and self.bos_id is not None:
         ids.insert(0, self.bos_id)
