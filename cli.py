@@ -208,8 +208,7 @@ def cmd_serve(a) -> int:
     print(f"# jaxgen: serving {name!r} (OpenAI API under /v1) on http://{host}:{port}; /health says 200 once warm",
           file=sys.stderr, flush=True)
 
-  serve.run(app, a.host, a.port, on_bound=bound, log_level=a.log_level)
-  return 0
+  return serve.run(app, a.host, a.port, on_bound=bound, log_level=a.log_level)
 
 
 def cmd_convert(a) -> int:

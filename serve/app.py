@@ -1,24 +1,32 @@
 """The HTTP server: OpenAI's API over one engine loop, on FastAPI and uvicorn.
 
 Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (both also as server-sent
-events with `stream: true`), GET /health (200 once warm, 503 before), GET /metrics (Prometheus).
+events with `stream: true`), GET /health (200 once warm and serving, 503 otherwise), GET /metrics
+(Prometheus).
 
-Every request is checked and tokenized here, then submitted to the loop; a full queue answers 429
-at once, a bad request 400 with OpenAI's error object, and neither disturbs anything running. A
-client that disconnects aborts its requests (their slots free for the next step); a request that
-outlives `request_timeout` is aborted and returns what it made, with finish_reason "abort".
+Every request is checked and tokenized here (on a small thread pool: a long prompt must not stall
+the event loop that every other client waits on), then submitted to the loop. As vLLM's server,
+with OpenAI's error object: a bad request (a prompt plus max_tokens over the context included)
+answers 400, a body over `max_body_bytes` 413, a full queue 429, a failed generation 500, a
+draining or dead server 503; none disturbs anything running. A client that disconnects aborts its
+requests (their slots free for the next step); a request that outlives `request_timeout` is
+aborted and returns what it made, with finish_reason "abort". When the engine loop itself dies,
+`run` stops the server and returns a non-zero exit status.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
+import logging
 import secrets
 import signal
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator, Callable
 
 import pydantic
@@ -34,26 +42,35 @@ from jaxgen.serve.protocol import (
   ChatRequest,
   CompletionRequest,
   Responder,
+  check_context,
   invalid,
+  refuse_unsupported,
   sampling_params,
 )
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.background import BackgroundTask
+from starlette.requests import ClientDisconnect
 
 EMBEDDED_NAME = "gemma-3-270m"  # what the embedded model is called when no --model is given
+TOKENIZER_THREADS = 4  # prompts tokenized at once: a huge one leaves three threads to the rest
+log = logging.getLogger("jaxgen.serve")
 
 
 def create_app(llm: LLM, *, model_name: str = EMBEDDED_NAME, max_queue: int = 256, request_timeout: float = 600.0,
-               api_key: str | None = None, warmup: bool = True) -> FastAPI:
+               api_key: str | None = None, warmup: bool = True, max_body_bytes: int = 16 * 2**20) -> FastAPI:
   """An app serving `llm` (its engine is owned by the app's loop while the app runs).
 
   max_queue: requests that may wait for a slot (beyond them: 429). request_timeout: seconds from
   arrival after which a request is aborted. api_key: when set, /v1 routes want
   `Authorization: Bearer <api_key>` (401 otherwise). warmup: compile everything before /health
-  says ready.
+  says ready. max_body_bytes: larger request bodies are refused with 413 (checked from
+  Content-Length, and while reading a body sent without one).
+  `llm` needs only `.engine`, `.tokenizer` and `.max_len`.
   """
   if request_timeout <= 0:
     raise ValueError(f"request_timeout={request_timeout} must be > 0 seconds")
+  if max_body_bytes <= 0:
+    raise ValueError(f"max_body_bytes={max_body_bytes} must be > 0")
   holder: dict = {}
   loop = EngineLoop(llm.engine, max_queue=max_queue, warmup=warmup,
                     on_finish=lambda out: holder["metrics"].on_finish(out))
@@ -63,11 +80,17 @@ def create_app(llm: LLM, *, model_name: str = EMBEDDED_NAME, max_queue: int = 25
   except ValueError as e:  # chat needs a template; completions still work
     fmt, fmt_error = None, str(e)
 
+  tokenizing = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="jaxgen-tokenize")
+
+  async def off_loop(fn, *args):
+    return await asyncio.get_running_loop().run_in_executor(tokenizing, functools.partial(fn, *args))
+
   @contextlib.asynccontextmanager
   async def lifespan(app: FastAPI):
     loop.start()
     yield
     await asyncio.to_thread(loop.stop, 60)  # the join must not hold the event loop
+    tokenizing.shutdown(wait=False, cancel_futures=True)
 
   app = FastAPI(title="jaxgen", lifespan=lifespan)
   app.state.loop, app.state.metrics, app.state.llm = loop, metrics, llm
@@ -89,8 +112,12 @@ def create_app(llm: LLM, *, model_name: str = EMBEDDED_NAME, max_queue: int = 25
 
   @app.get("/health")
   async def health():
+    if loop.stopped.is_set():
+      return JSONResponse({"status": "the engine loop stopped"}, status_code=503)
     if not loop.ready.is_set():
       return JSONResponse({"status": "warming up"}, status_code=503)
+    if loop.closed:
+      return JSONResponse({"status": "draining"}, status_code=503)
     return {"status": "ok"}
 
   @app.get("/metrics")
@@ -106,8 +133,9 @@ def create_app(llm: LLM, *, model_name: str = EMBEDDED_NAME, max_queue: int = 25
   @app.post("/v1/completions")
   async def completions(request: Request):
     authorize(request)
-    req = await _parse(request, CompletionRequest)
+    req = await _parse(request, CompletionRequest, max_body_bytes)
     _check_model(req.model, model_name)
+    refuse_unsupported(req)
     if req.echo:
       raise ApiError(400, "echo=true is not supported", "echo")
     if req.suffix:
@@ -115,7 +143,7 @@ def create_app(llm: LLM, *, model_name: str = EMBEDDED_NAME, max_queue: int = 25
     if req.best_of is not None and req.best_of != req.n:
       raise ApiError(400, f"best_of={req.best_of} is not supported (only best_of == n)", "best_of")
     params = sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs)
-    prompts = [_check_prompt(llm, p, params) for p in _prompt_list(req.prompt)]
+    prompts = await off_loop(_check_prompts, llm, _prompt_list(req.prompt), params)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     return await _run(request, prompts, params, Responder(model_name, llm.tokenizer, req.n, False, include_usage),
                       req.stream)
@@ -123,20 +151,29 @@ def create_app(llm: LLM, *, model_name: str = EMBEDDED_NAME, max_queue: int = 25
   @app.post("/v1/chat/completions")
   async def chat_completions(request: Request):
     authorize(request)
-    req = await _parse(request, ChatRequest)
+    req = await _parse(request, ChatRequest, max_body_bytes)
     _check_model(req.model, model_name)
     if fmt is None:
       raise ApiError(400, fmt_error, "messages")
+    refuse_unsupported(req)
     if req.top_logprobs is not None and not req.logprobs:
       raise ApiError(400, "top_logprobs needs logprobs=true", "top_logprobs")
-    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    if req.max_completion_tokens is not None:  # OpenAI's newer name wins, as in vLLM
+      max_tokens, field = req.max_completion_tokens, "max_completion_tokens"
+    else:
+      max_tokens, field = req.max_tokens, "max_tokens"
     params = sampling_params(req, max_tokens=max_tokens, logprobs=(req.top_logprobs or 0) if req.logprobs else None,
                              stop_token_ids=fmt.stop_ids)
-    try:
-      ids = fmt.encode(llm.tokenizer, [m.plain() for m in req.messages], req.add_generation_prompt)
-    except ValueError as e:  # the template refused the conversation
-      raise ApiError(400, str(e), "messages") from None
-    prompts = [_check_prompt(llm, ids, params)]
+    messages = [m.plain() for m in req.messages]
+
+    def prepare() -> list[list[int]]:
+      try:
+        ids = fmt.encode(llm.tokenizer, messages, req.add_generation_prompt)
+      except ValueError as e:  # the template refused the conversation
+        raise ApiError(400, str(e), "messages") from None
+      return [_check_prompt(llm, ids, params, "messages", field)]
+
+    prompts = await off_loop(prepare)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     return await _run(request, prompts, params, Responder(model_name, llm.tokenizer, req.n, True, include_usage),
                       req.stream)
@@ -178,23 +215,37 @@ async def _events(job: "_Job", responder: Responder) -> AsyncIterator[str]:
 
 
 class _Job:
-  """One HTTP request's engine requests; their updates come back to the event loop's queue."""
+  """One HTTP request's engine requests; their updates come back to the event loop.
+
+  Outputs are cumulative, so a job keeps only the newest of each prompt: a reader that falls
+  behind (a client reading its stream slowly) holds one output per prompt, not one per step, and
+  the engine loop never waits for it. A stream then sends what accumulated as one chunk.
+  """
 
   def __init__(self, loop: EngineLoop, prompts: list[list[int]], params, deadline: float):
     self.loop, self.deadline, self.n = loop, deadline, len(prompts)
-    self.queue: asyncio.Queue = asyncio.Queue()
+    self.latest: dict[int, object] = {}  # prompt index -> its newest output not yet yielded
+    self.error: BaseException | None = None
+    self.wake = asyncio.Event()
     self.finished: set[int] = set()
     aio = asyncio.get_running_loop()
 
     def sink(p, out, error):
-      aio.call_soon_threadsafe(self.queue.put_nowait, (p, out, error))
+      aio.call_soon_threadsafe(self._put, p, out, error)
 
     try:
       self.rids = loop.submit(prompts, params, sink)
     except QueueFull as e:
       raise ApiError(429, str(e), None, "queue_full") from None
     except Closed as e:
-      raise ApiError(503, str(e), None, "shutting_down") from None
+      raise ApiError(503, str(e), None, "shutting_down" if loop.error is None else "engine_dead") from None
+
+  def _put(self, p: int, out, error: BaseException | None) -> None:
+    if error is not None:
+      self.error = self.error or error
+    else:
+      self.latest[p] = out
+    self.wake.set()
 
   def abort(self) -> None:
     if len(self.finished) < self.n:
@@ -214,28 +265,35 @@ class _Job:
       if not aborted and now >= self.deadline:
         self.abort()
         aborted = True
-      wait = 1.0 if (disconnected is not None or aborted) else None
-      if not aborted:
-        left = self.deadline - now
-        wait = left if wait is None else min(wait, left)
-      try:
-        p, out, error = await asyncio.wait_for(self.queue.get(), timeout=None if wait is None else max(wait, 0.0))
-      except asyncio.TimeoutError:
-        if aborted and not self.loop.alive:
-          raise ApiError(500, "the engine loop stopped") from None
-        continue
-      if error is not None:
+      if self.error is not None:
         self.abort()
-        raise ApiError(500, f"generation failed: {error}") from error
-      if out.finished:
-        self.finished.add(p)
-      yield p, out
+        raise ApiError(500, f"generation failed: {type(self.error).__name__}: {self.error}", None,
+                       "engine_dead" if self.loop.error is not None else None) from self.error
+      if self.latest:
+        ready, self.latest = self.latest, {}
+        for p in sorted(ready):
+          if ready[p].finished:
+            self.finished.add(p)
+          yield p, ready[p]
+        continue
+      self.wake.clear()  # nothing pending; `_put` runs on this event loop, so no wake-up is lost
+      try:  # at least each second: a loop that stopped without a word must not leave this waiting
+        await asyncio.wait_for(self.wake.wait(), timeout=1.0 if aborted else max(min(1.0, self.deadline - now), 0.0))
+      except asyncio.TimeoutError:
+        if self.loop.stopped.is_set() and not self.latest and self.error is None:
+          raise ApiError(500, "the engine loop stopped", None, "engine_dead") from None
 
 
-async def _parse(request: Request, model: type[pydantic.BaseModel]):
-  """The JSON body as `model`; 400 naming the first bad field, or saying the JSON is malformed."""
+async def _parse(request: Request, model: type[pydantic.BaseModel], max_body_bytes: int):
+  """The JSON body as `model`; 400 naming the first bad field, or saying the body is not UTF-8 JSON."""
+  raw = await _read_body(request, max_body_bytes)
   try:
-    body = json.loads(await request.body())
+    text = raw.decode("utf-8")
+  except UnicodeDecodeError as e:
+    raise ApiError(400, f"the request body is not valid UTF-8: byte {e.start} is {raw[e.start:e.start + 1]!r} "
+                   "(JSON bodies are UTF-8)") from None
+  try:
+    body = json.loads(text)
   except ValueError as e:
     raise ApiError(400, f"the request body is not valid JSON: {e}") from None
   if not isinstance(body, dict):
@@ -246,6 +304,25 @@ async def _parse(request: Request, model: type[pydantic.BaseModel]):
     err = e.errors()[0]
     where = ".".join(str(x) for x in err["loc"]) or None
     raise ApiError(400, f"{where}: {err['msg']} (got {err.get('input')!r})"[:500], where) from None
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+  """The body; 413 past `limit` bytes, at once from Content-Length, else as soon as the bytes read
+  pass it (a chunked body declares no length), so a huge body is never held whole."""
+  declared = request.headers.get("content-length", "")
+  if declared.isdigit() and int(declared) > limit:
+    raise ApiError(413, f"the request body has {int(declared)} bytes; the limit is max_body_bytes={limit}", None,
+                   "request_too_large")
+  body = bytearray()
+  try:
+    async for chunk in request.stream():
+      body += chunk
+      if len(body) > limit:
+        raise ApiError(413, f"the request body has more than max_body_bytes={limit} bytes", None,
+                       "request_too_large")
+  except ClientDisconnect:  # nobody reads the answer; nothing was submitted
+    raise ApiError(499, "the client left before sending the whole body") from None
+  return bytes(body)
 
 
 def _check_model(name: str | None, served: str) -> None:
@@ -263,19 +340,37 @@ def _prompt_list(prompt) -> list:
   return list(prompt)
 
 
-def _check_prompt(llm: LLM, prompt, params) -> list[int]:
-  """The prompt's token ids, checked as the engine will (context length, ids, n <= slots)."""
+def _check_prompts(llm: LLM, prompts: list, params) -> list[list[int]]:
+  """Each prompt's token ids (`_check_prompt`); an error names the prompt when there are several."""
+  out = []
+  for i, prompt in enumerate(prompts):
+    try:
+      out.append(_check_prompt(llm, prompt, params))
+    except ApiError as e:
+      if len(prompts) > 1:
+        e.message = f"prompt {i}: {e.message}"
+      raise
+  return out
+
+
+def _check_prompt(llm: LLM, prompt, params, what: str = "prompt", max_tokens_field: str = "max_tokens") -> list[int]:
+  """The prompt's token ids, checked as the engine will (ids, n <= slots) and against the context:
+  prompt + max_tokens over max_len is a 400 here, where the engine would shorten max_tokens."""
+  ids = llm.tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else prompt
+  check_context(len(ids), params.max_tokens, llm.max_len, what=what, max_tokens_field=max_tokens_field)
   try:
-    return llm.engine.check_request(prompt, params)[1]
+    return llm.engine.check_request(ids, params)[1]
   except ValueError as e:
     err = invalid(e)
-    err.param = err.param or "prompt"
+    err.param = err.param or what
     raise err from None
 
 
 def run(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, *, log_level: str = "info",
-        on_bound: Callable[[str, int], None] | None = None) -> None:
-  """Serves `app` until SIGINT/SIGTERM: then stops accepting, lets running requests finish, returns.
+        on_bound: Callable[[str, int], None] | None = None) -> int:
+  """Serves `app` until SIGINT/SIGTERM (then stops accepting and lets running requests finish) or
+  until its engine loop dies (then stops at once). Returns the exit status: 0 after SIGINT/SIGTERM,
+  1 when the engine loop died, 3 when the server could not start (uvicorn's code for it).
 
   port 0 takes a free port; on_bound(host, port) is told which before serving starts.
   """
@@ -292,8 +387,26 @@ def run(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, *, log_level: s
     # does nothing lets a drained server return (and the process exit 0) instead of dying of it.
     for sig in (signal.SIGINT, signal.SIGTERM):
       previous[sig] = signal.signal(sig, lambda *_: None)
+  loop: EngineLoop = app.state.loop
+  done = threading.Event()
+  threading.Thread(target=_exit_when_dead, args=(loop, server, done), name="jaxgen-loop-watch", daemon=True).start()
   try:
     server.run(sockets=[sock])
   finally:
+    done.set()
     for sig, handler in previous.items():
       signal.signal(sig, handler)
+  if loop.error is not None:
+    return 1
+  return 0 if server.started else 3
+
+
+def _exit_when_dead(loop: EngineLoop, server: uvicorn.Server, done: threading.Event) -> None:
+  """Stops `server` when the engine loop dies: a server that can only answer 503 should exit, so
+  that whatever supervises it (systemd, Kubernetes) starts a new one."""
+  while not done.is_set():
+    if loop.stopped.wait(0.5):
+      if loop.error is not None:
+        log.error("the engine loop died (%s: %s); stopping the server", type(loop.error).__name__, loop.error)
+        server.should_exit = True
+      return

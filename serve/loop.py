@@ -41,6 +41,8 @@ class EngineLoop:
   max_queue: requests allowed to wait for a slot; beyond max_batch + max_queue, `submit` raises
   QueueFull. warmup: compile every program before `ready` is set (nothing compiles later).
   on_finish(output): called on the loop thread once per finished request (metrics).
+  When the loop itself fails (not one step: those fail their requests only), `error` holds why,
+  every request submitted gets that error, `submit` raises Closed, and `stopped` is set.
   """
 
   def __init__(self, engine: Engine, *, max_queue: int, warmup: bool = True,
@@ -52,6 +54,8 @@ class EngineLoop:
     self.ready = threading.Event()
     self.snapshot: dict = engine.metrics()  # the engine's metrics after the latest step
     self.compiles_at_ready: int | None = None
+    self.error: BaseException | None = None  # why the loop thread died, if it did
+    self.stopped = threading.Event()  # the loop thread ended (stopped, or died of `error`)
     self._lock = threading.Lock()
     self._accepted = 0  # submitted and not yet finished
     self._queued = 0  # submitted and not yet handed to the engine (in the inbox)
@@ -77,6 +81,9 @@ class EngineLoop:
   def submit(self, prompts: Sequence[list[int]], params: SamplingParams, sink: Sink) -> list[str]:
     """Queues one request per prompt (checked token ids); their ids. QueueFull or Closed: nothing queued."""
     with self._lock:
+      if self.error is not None:
+        raise Closed(f"the engine loop stopped ({type(self.error).__name__}: {self.error}); this server serves "
+                     "nothing more and must be restarted")
       if self._closed:
         raise Closed("the server is shutting down and admits no new requests")
       if self._accepted + len(prompts) > self.capacity:
@@ -97,6 +104,10 @@ class EngineLoop:
     with self._lock:
       self._closed = True
 
+  @property
+  def closed(self) -> bool:
+    return self._closed
+
   def stop(self, timeout: float | None = None) -> None:
     """Aborts what is left, then ends the thread."""
     self.close()
@@ -114,9 +125,12 @@ class EngineLoop:
       self._serve()
     except BaseException as e:  # the loop itself failed: no request may wait for it forever
       log.exception("the engine loop stopped")
-      self.close()
+      with self._lock:  # after this no submit can reach the inbox, so draining it fails every request
+        self.error, self._closed = e, True
       self._fail_all(e)
-      raise
+      self._fail_inbox(e)
+    finally:
+      self.stopped.set()
 
   def _serve(self) -> None:
     if self.warmup:
@@ -164,8 +178,9 @@ class EngineLoop:
       _, rids, prompts, params, sink = cmd
       with self._lock:
         self._queued -= len(rids)
-      for i, (rid, ids) in enumerate(zip(rids, prompts)):
+      for i, rid in enumerate(rids):  # all registered first: should adding fail the loop, each is told
         self._sinks[rid] = (sink, i)
+      for i, (rid, ids) in enumerate(zip(rids, prompts)):
         try:
           self.engine.add_request(ids, params, request_id=rid)
         except ValueError as e:  # checked by the handler already; still never the loop's problem
@@ -194,6 +209,25 @@ class EngineLoop:
         sink(i, None, error)
       except Exception:  # the event loop may be gone already
         log.exception("could not report a failed request")
+
+  def _fail_inbox(self, error: BaseException) -> None:
+    """Fails the requests submitted but never taken (the loop died before it took them)."""
+    while True:
+      try:
+        cmd = self._inbox.get_nowait()
+      except queue.Empty:
+        return
+      if cmd[0] != "add":
+        continue
+      _, rids, _, _, sink = cmd
+      with self._lock:
+        self._queued -= len(rids)
+      self._release(len(rids))
+      for i in range(len(rids)):
+        try:
+          sink(i, None, error)
+        except Exception:  # the event loop may be gone already
+          log.exception("could not report a failed request")
 
   def _release(self, n: int) -> None:
     with self._lock:

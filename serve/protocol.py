@@ -3,7 +3,8 @@
 
 Unknown fields are ignored, as vLLM does; a field of the wrong type or value is refused with a 400
 that names it. vLLM's extra sampling fields (top_k, min_p, repetition_penalty, ignore_eos, ...)
-are accepted too.
+are accepted too. Fields asking for what jaxgen cannot do yet (structured output, tools) are named
+here so that they are refused (`refuse_unsupported`), never silently ignored.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ class ApiError(Exception):
 
   def body(self) -> dict:
     kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-            429: "rate_limit_error", 503: "server_overloaded"}.get(self.status, "server_error")
+            413: "invalid_request_error", 429: "rate_limit_error",
+            503: "server_overloaded"}.get(self.status, "server_error")
     return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code or self.status}}
 
 
@@ -59,6 +61,14 @@ class _Sampling(BaseModel):
   stop_token_ids: list[int] | None = None
   skip_special_tokens: bool = True
   include_stop_str_in_output: bool = False
+  # Structured output (OpenAI's, then vLLM's spellings): typed loosely so that any value reaches
+  # `refuse_unsupported` and gets its message, not a type error.
+  response_format: Any = None
+  structured_outputs: Any = None
+  guided_json: Any = None
+  guided_regex: Any = None
+  guided_choice: Any = None
+  guided_grammar: Any = None
 
 
 class CompletionRequest(_Sampling):
@@ -95,6 +105,37 @@ class ChatRequest(_Sampling):
   logprobs: bool = False
   top_logprobs: int | None = None
   add_generation_prompt: bool = True
+  tools: Any = None
+  tool_choice: Any = None
+
+
+_STRUCTURED = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
+def refuse_unsupported(req: _Sampling) -> None:
+  """ApiError(400) naming the first field that asks for structured output or tool calling."""
+  fmt = req.response_format
+  if fmt is not None and fmt != {"type": "text"}:
+    raise ApiError(400, f"response_format={_short(fmt)} is not supported yet: jaxgen has no structured output "
+                   "(constrained decoding); leave it out or send {\"type\": \"text\"}", "response_format")
+  for name in _STRUCTURED:
+    if getattr(req, name) is not None:
+      raise ApiError(400, f"{name} is not supported yet: jaxgen has no structured output (constrained decoding); "
+                     "leave it out", name)
+  if not isinstance(req, ChatRequest):
+    return
+  choice = req.tool_choice
+  if req.tools and choice != "none":  # with "none" the answer is a plain message (tools stay out of the prompt)
+    raise ApiError(400, "tools are not supported yet: jaxgen has no tool calling; leave them out or send "
+                   "tool_choice=\"none\"", "tools")
+  if choice is not None and choice != "none":
+    raise ApiError(400, f"tool_choice={_short(choice)} is not supported yet: jaxgen has no tool calling; "
+                   "only \"none\"", "tool_choice")
+
+
+def _short(value) -> str:
+  text = repr(value)
+  return text if len(text) <= 80 else text[:77] + "..."
 
 
 def sampling_params(req: _Sampling, *, max_tokens: int | None, logprobs: int | None,
@@ -118,6 +159,24 @@ def sampling_params(req: _Sampling, *, max_tokens: int | None, logprobs: int | N
         skip_special_tokens=req.skip_special_tokens, logprobs=logprobs)
   except ValueError as e:
     raise invalid(e) from None
+
+
+def check_context(prompt_tokens: int, max_tokens: int | None, max_len: int, *, what: str = "prompt",
+                  max_tokens_field: str = "max_tokens") -> None:
+  """ApiError(400) in vLLM's words when the prompt plus max_tokens overflows the context (max_len).
+
+  The engine would shorten max_tokens to the room left; a server tells the client instead. what:
+  "prompt" or "messages" (the field named when the prompt alone leaves no room for one token).
+  max_tokens None asks for whatever room is left.
+  """
+  if prompt_tokens >= max_len:
+    raise ApiError(400, f"This model's maximum context length is {max_len} tokens. However, you requested "
+                   f"{prompt_tokens} tokens in the {what}, which leaves no room for the completion (at least one "
+                   f"token). Please reduce the length of the {what}.", what)
+  if max_tokens is not None and prompt_tokens + max_tokens > max_len:
+    raise ApiError(400, f"This model's maximum context length is {max_len} tokens. However, you requested "
+                   f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the {what}, {max_tokens} in the "
+                   f"completion). Please reduce the length of the {what} or completion.", max_tokens_field)
 
 
 def invalid(e: ValueError) -> ApiError:

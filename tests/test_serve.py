@@ -1,7 +1,9 @@
 """The OpenAI-compatible server, driven by the official `openai` client and raw HTTP over 127.0.0.1.
 
 One server over the session's embedded model (warmed up once) serves every test here; the last
-test starts `jaxgen serve` as a process of its own and stops it with SIGTERM under load.
+test starts `jaxgen serve` as a process of its own and stops it with SIGTERM under load. The load
+test and the faults run over a tiny model in test_serve_faults.py (they exercise the server, not
+the model); chat, which needs the real model's template, is tested here.
 """
 
 from __future__ import annotations
@@ -18,13 +20,11 @@ import threading
 import time
 
 import httpx
-import numpy as np
 import openai
 import pytest
 import uvicorn
 from conftest import ToyTokenizer, tiny_config, tiny_model
 from jaxgen import SamplingParams
-from jaxgen.decode import compiles
 from jaxgen.decode.engine import Engine
 from jaxgen.decode.outputs import (
   CompletionOutput,
@@ -42,10 +42,16 @@ NAME = "gemma-test"
 
 
 class ThreadServer:
-  """uvicorn serving `app` on a free port of 127.0.0.1, on a thread of this process."""
+  """uvicorn serving `app` on a free port of 127.0.0.1, on a thread of this process.
 
-  def __init__(self, app):
+  sndbuf: the kernel's send buffer of each connection, in bytes (default: its own, which grows to
+  megabytes), so that a test can make a client that stops reading hold up the server's writes.
+  """
+
+  def __init__(self, app, sndbuf: int | None = None):
     sock = socket.socket()
+    if sndbuf is not None:  # connections inherit the listening socket's buffers
+      sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
     sock.bind(("127.0.0.1", 0))
     self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
@@ -192,6 +198,49 @@ def test_bad_requests_get_400_and_the_next_request_succeeds(server, body, param)
   assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
 
 
+def chat_body(**kw) -> dict:
+  return {"model": NAME, "messages": [{"role": "user", "content": "Name a colour."}], **kw}
+
+
+def test_chat_over_the_context_gets_vllms_400_and_max_completion_tokens_wins(server):
+  r = post(server, "/v1/chat/completions", chat_body(messages=[{"role": "user", "content": "word " * 1600}]))
+  assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+  assert r.json()["error"]["message"].startswith("This model's maximum context length is 1536 tokens. However, you "
+                                                 "requested 16")
+  r = post(server, "/v1/chat/completions", chat_body(max_tokens=2000))
+  err = r.json()["error"]
+  assert r.status_code == 400 and err["param"] == "max_tokens" and err["type"] == "invalid_request_error"
+  m = re.fullmatch(r"This model's maximum context length is 1536 tokens\. However, you requested (\d+) tokens "
+                   r"\((\d+) in the messages, 2000 in the completion\)\. Please reduce the length of the messages or "
+                   r"completion\.", err["message"])
+  assert m and int(m.group(1)) == int(m.group(2)) + 2000
+  r = post(server, "/v1/chat/completions", chat_body(max_tokens=3, max_completion_tokens=2000))
+  assert r.status_code == 400 and r.json()["error"]["param"] == "max_completion_tokens"
+  r = post(server, "/v1/chat/completions", chat_body(max_tokens=2000, max_completion_tokens=3))
+  assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3
+
+
+@pytest.mark.parametrize("fields,param", [
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"guided_choice": ["red", "blue"]}, "guided_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "paint", "parameters": {}}}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "paint"}}], "tool_choice": "auto"}, "tools"),
+    ({"tool_choice": "required"}, "tool_choice"),
+])
+def test_chat_structured_output_and_tools_are_refused_not_ignored(server, fields, param):
+  r = post(server, "/v1/chat/completions", chat_body(max_tokens=2, **fields))
+  assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+  assert "not supported" in r.json()["error"]["message"]
+
+
+def test_chat_tools_that_may_not_be_called_are_allowed(server):
+  tools = [{"type": "function", "function": {"name": "paint", "parameters": {}}}]
+  for fields in ({"tools": tools, "tool_choice": "none"}, {"tool_choice": "none"}, {"tools": []},
+                 {"response_format": {"type": "text"}}):
+    r = post(server, "/v1/chat/completions", chat_body(max_tokens=2, **fields))
+    assert r.status_code == 200, (fields, r.text)
+
+
 def test_api_key_is_required(server):
   for key in (None, "wrong"):
     r = post(server, "/v1/completions", {"model": NAME, "prompt": "hi"}, key=key)
@@ -221,61 +270,7 @@ def test_a_non_streaming_client_that_leaves_frees_its_slot(server):
   assert metric(server, "jaxgen_requests_total", '{finish_reason="abort"}') == aborted + 1
 
 
-# --------------------------------------------------------------------------------- load, faults
-async def _stream(http, i, prompt, max_tokens, leave_early):
-  """One streamed completion: (text, finish reasons seen, [DONE] count) or None when it left early."""
-  body = {"model": NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
-  text, reasons, done = "", [], 0
-  async with http.stream("POST", "/v1/completions", json=body) as r:
-    assert r.status_code == 200, await r.aread()
-    async for line in r.aiter_lines():
-      if not line.startswith("data: "):
-        continue
-      if line == "data: [DONE]":
-        done += 1
-        continue
-      choice = json.loads(line[6:])["choices"][0]
-      text += choice["text"]
-      if choice["finish_reason"]:
-        reasons.append(choice["finish_reason"])
-      if leave_early:
-        return None  # closes the connection mid-stream
-  return text, reasons, done
-
-
-def test_load_with_disconnects_completes_each_request_once(server):
-  prompts = [f"Fact number {i} about the sea:" for i in range(8)]
-  want = [post(server, "/v1/completions", {"model": NAME, "prompt": p, "max_tokens": 2 + i % 4, "temperature": 0})
-          .json()["choices"][0] for i, p in enumerate(prompts)]
-  finished_before = sum(metric(server, "jaxgen_requests_total", f'{{finish_reason="{r}"}}') for r in ("stop", "length", "abort"))
-  compiles_before = compiles.count()
-  rng = np.random.default_rng(0)
-  leave = set(rng.choice(200, 20, replace=False).tolist())
-
-  async def main():
-    limit = asyncio.Semaphore(32)
-    async with httpx.AsyncClient(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=300,
-                                 limits=httpx.Limits(max_connections=40)) as http:
-      async def one(i):
-        async with limit:
-          return await _stream(http, i, prompts[i % 8], 2 + i % 4, i in leave)
-      return await asyncio.gather(*(one(i) for i in range(200)))
-
-  results = asyncio.run(main())
-  for i, res in enumerate(results):
-    if i in leave:
-      assert res is None
-      continue
-    text, reasons, done = res
-    assert (text, reasons, done) == (want[i % 8]["text"], [want[i % 8]["finish_reason"]], 1), i
-  settled(server)
-  finished = sum(metric(server, "jaxgen_requests_total", f'{{finish_reason="{r}"}}') for r in ("stop", "length", "abort"))
-  assert finished - finished_before == 200  # each request finished exactly once in the engine
-  assert compiles.count() == compiles_before  # nothing compiled under load
-  assert metric(server, "jaxgen_compilations_after_warmup_total") == 0
-  assert metric(server, "jaxgen_time_to_first_token_seconds_count") >= 180
-
-
+# ----------------------------------------------------------------------------------- load
 def test_a_full_queue_answers_429_and_loses_nothing(server):
   async def main():
     async with httpx.AsyncClient(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=300,
@@ -299,7 +294,7 @@ def test_metrics_and_health(server):
                "jaxgen_generation_tokens_total", "jaxgen_time_per_output_token_seconds_bucket",
                "jaxgen_prefix_cache_hit_tokens_total", "jaxgen_kv_cache_usage_ratio"):
     assert name in text, name
-  assert metric(server, "jaxgen_prefix_cache_hit_tokens_total") > 0  # the load test repeated its prompts
+  assert metric(server, "jaxgen_prefix_cache_hit_tokens_total") > 0  # the first test repeated its prompt
 
 
 # -------------------------------------------------------------------------------------- SIGTERM
