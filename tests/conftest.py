@@ -7,12 +7,16 @@ independent implementation (HF transformers, `tools/make_reference.py`).
 
 from __future__ import annotations
 
+import hashlib
 import os
 import pathlib
-import tempfile
+import shutil
+import time
 
 import jax
 import jax.numpy as jnp
+import jaxgen
+import jaxlib
 import numpy as np
 import pytest
 from flax import nnx
@@ -22,16 +26,46 @@ from jaxgen.model.config import ModelConfig, layer_pattern
 from jaxgen.model.transformer import Transformer
 
 DATA = pathlib.Path(__file__).parent / "data"
+_SOURCES = ("model", "decode", "sharding", "checkpoints", "serve")  # with the root's modules: the package
+_PRUNE_AFTER_S = 24 * 3600
 
-# Many tests build engines over the same tiny models: identical programs. A compilation cache for
-# the session (and the subprocesses it starts) compiles each once. It starts empty every run.
-_COMPILE_CACHE = tempfile.mkdtemp(prefix="jaxgen-test-xla-")
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _COMPILE_CACHE)
+
+def _cache_root() -> pathlib.Path:
+  """Where the suite keeps compiled programs and converted weights between runs.
+
+  Many tests build engines over the same tiny models (identical programs), and every run loads the
+  embedded model: compiling and converting each once per run is most of the suite's time, and once
+  per source is enough. The key holds the jax and jaxlib versions and a hash of the package's
+  sources, so a change to either starts from empty caches (the cold path runs too) and a stale
+  entry can never stand in for the code under test. `JAXGEN_TEST_CACHE` moves the root; older keys
+  beyond the newest few are removed. Tests of the caches themselves use directories of their own.
+  """
+  base = pathlib.Path(os.environ.get("JAXGEN_TEST_CACHE") or pathlib.Path.home() / ".cache" / "jaxgen-tests")
+  package = pathlib.Path(jaxgen.__file__).parent
+  h = hashlib.sha256(f"jax {jax.__version__} jaxlib {jaxlib.__version__}".encode())
+  files = [*package.glob("*.py"), *(p for d in _SOURCES for ext in ("*.py", "*.cc") for p in (package / d).rglob(ext))]
+  for path in sorted(files):
+    rel = path.relative_to(package)
+    h.update(str(rel).encode() + b"\0" + path.read_bytes() + b"\0")
+  root = base / h.hexdigest()[:16]
+  root.mkdir(parents=True, exist_ok=True)
+  os.utime(root)  # in use: the pruning below goes by the time a key was last used
+  if not os.environ.get("PYTEST_XDIST_WORKER"):  # one process prunes: workers share the root
+    # Only keys unused for a day, and never the newest few: another checkout's run may be using one.
+    keys = sorted((p for p in base.iterdir() if p.is_dir() and p != root), key=lambda p: p.stat().st_mtime)
+    for old in keys[:-3]:
+      if time.time() - old.stat().st_mtime > _PRUNE_AFTER_S:
+        shutil.rmtree(old, ignore_errors=True)
+  return root
+
+
+_CACHE = _cache_root()
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(_CACHE / "xla"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
-# Converted weights (checkpoints.cache) likewise: shared by the session's loads, never the user's.
-os.environ.setdefault("JAXGEN_CACHE_DIR", tempfile.mkdtemp(prefix="jaxgen-test-cache-"))
+# Converted weights (checkpoints.cache) likewise: the suite's own, never the user's.
+os.environ.setdefault("JAXGEN_CACHE_DIR", str(_CACHE / "jaxgen"))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
@@ -139,7 +173,18 @@ def llm_bf16():
   return LLM(dtype="bfloat16", max_len=256, max_batch=1, prefill_chunk=256, seed=0)
 
 
+# Modules by the time they take, longest first (a cold run's `--durations`): with `-n 2 --dist
+# loadscope --no-loadscope-reorder` each module goes whole to a worker in this order, so the long
+# ones start at once and the short ones fill in at the end. Modules not named follow in file order.
+SLOWEST_FIRST = ("test_speculative", "test_engine", "test_generate", "test_prefix", "test_sharding", "test_serve",
+                 "test_golden", "test_cli", "test_cache", "test_pallas", "test_weights", "test_notebook",
+                 "test_quant", "test_orbax", "test_serve_faults", "test_gguf", "test_cpu_kernels", "test_hf",
+                 "test_multiprocess")
+
+
 def pytest_collection_modifyitems(config, items):
+  rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
+  items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: file order within a module
   if os.environ.get("JAXGEN_SKIP_SLOW"):
     skip = pytest.mark.skip(reason="JAXGEN_SKIP_SLOW is set")
     for item in items:
