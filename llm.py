@@ -68,6 +68,9 @@ class LLM:
   {"method": "draft_model", "model": PATH or "self", "num_speculative_tokens": 4} drafts with a
   smaller model sharing the vocabulary; "self" uses this model's own checkpoint, made cheaper with
   "quantization": "int8" and/or "draft_layers": N (its first N layers and head).
+  emulate: "tpu" or "gpu": run here what that accelerator would (activations and cache in the
+  weights' dtype, the plain XLA ops, the Pallas attention interpreted), to check its numerics on a
+  CPU; slow, for tests.
   """
 
   def __init__(self, model: str | None = None, *, dtype: str = "float32", max_len: int = 2048,
@@ -76,7 +79,8 @@ class LLM:
                mesh: MeshConfig | jax.sharding.Mesh | None = None, attention_impl: str = "auto",
                matmul_impl: str = "auto", seed: int | None = None,
                quantization: str | None = None, enable_prefix_caching: bool = True,
-               prefix_cache_tokens: int | None = None, speculative_config=None, _weights=None):
+               prefix_cache_tokens: int | None = None, speculative_config=None, emulate: str | None = None,
+               _weights=None):
     quant.check(quantization)
     spec_cfg = speculative.parse(speculative_config)  # a bad config is refused before any load
     if compilation_cache_dir and not (compilation_cache_dir == DEFAULT_COMPILATION_CACHE
@@ -86,7 +90,7 @@ class LLM:
     t0 = time.perf_counter()
     self.mesh = None if mesh is None else as_mesh(mesh)
     resolve = functools.partial(platforms.resolve, dtype, cache_dtype=cache_dtype, matmul=matmul_impl,
-                                attention=attention_impl, prefill_chunk=prefill_chunk,
+                                attention=attention_impl, prefill_chunk=prefill_chunk, emulate=emulate,
                                 devices=1 if self.mesh is None else self.mesh.size)
     if self.mesh is None or self.mesh.size == 1:
       cpu_kernels.prepare()  # a first build of the CPU kernels runs while the weights are read
@@ -109,8 +113,9 @@ class LLM:
     self.platform = resolve(quantization=self.cfg.weight_quant)  # an orbax checkpoint saved int8 restores int8
     _warn_if_kernels_failed(self.platform)
     self.max_len = min(max_len, self.cfg.max_context)
+    # The engine's (its rings hold k more under speculation).
     spec = CacheSpec(slots=max_batch, max_len=self.max_len, dtype=self.platform.cache_dtype,
-                     slack=spec_cfg.k if spec_cfg else 0)  # the engine's (its rings hold k more under speculation)
+                     align=self.platform.cache_align, slack=spec_cfg.k if spec_cfg else 0)
     draft_model = draft_platform = None
     if spec_cfg is not None and spec_cfg.method == "draft_model":
       if _weights is not None and spec_cfg.model == "self" and spec_cfg.quantization not in (None, quantization):

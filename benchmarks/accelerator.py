@@ -69,12 +69,13 @@ def kernel_check(dtype) -> float:
     pos = entry_positions(lengths, size, ring)
     q_pos = lengths[:, None]
     held = KVBlock(cast(rng.normal(size=(b, kh, size, h))), cast(rng.normal(size=(b, kh, size, h))), pos,
-                   jnp.minimum(jnp.max(lengths), size), jnp.arange(b, dtype=jnp.int32)[::-1])
+                   jnp.minimum(jnp.max(lengths), size), jnp.arange(b, dtype=jnp.int32)[::-1], start=lengths)
+    as_ring = lambda bl: [bl[0]._replace(ring=size if ring else None), bl[1]]  # noqa: E731  (static: not an argument)
     fresh = KVBlock(cast(rng.normal(size=(b, kh, 1, h))), cast(rng.normal(size=(b, kh, 1, h))), q_pos)
     window = size if ring else None
     want = jax.jit(lambda q, bl: A.attention_xla(q, bl, q_pos, window, None))(q, [held, fresh])
     platform = platforms.resolve(str(jnp.dtype(dtype)), attention="pallas")  # interpreted only on CPU
-    got = jax.jit(lambda q, bl: A.attention_pallas(q, bl, q_pos, window, None, platform))(q, [held, fresh])
+    got = jax.jit(lambda q, bl: A.attention_pallas(q, as_ring(bl), q_pos, window, None, platform))(q, [held, fresh])
     worst = max(worst, float(jnp.max(jnp.abs(want.astype(jnp.float32) - got.astype(jnp.float32)))))
   return worst
 

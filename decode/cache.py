@@ -35,6 +35,10 @@ class CacheSpec:
   """Sizes of the cache: `slots` rows of up to `max_len` tokens, in `dtype` (float32, bfloat16,
   float16, or int8 with float32 scales per block of 16 of each key and value vector).
 
+  `align`: on TPU and GPU a layer's entries are padded to the sublane tile, so that a kernel
+  reads the cache where it lies (an odd length makes XLA copy the whole cache into the kernel's
+  layout on every step).
+
   `slack`: extra entries of every ring. A verify step writes the k proposed tokens before knowing
   which are accepted; the entries of rejected ones overwrite the ring's oldest, which the next
   query still sees unless the ring holds k more than the window (`decode.speculative`)."""
@@ -43,11 +47,14 @@ class CacheSpec:
   max_len: int
   dtype: str = "float32"
   slack: int = 0
+  align: int = 1  # each layer's entries (scratch included) a multiple of this (`Platform.cache_align`)
 
   def layer_len(self, cfg: ModelConfig, kind: str) -> int:
-    if kind == LOCAL:
-      return min(cfg.sliding_window + self.slack, self.max_len)
-    return self.max_len
+    """Entries of a layer, scratch excluded. A ring longer than its window (slack, alignment)
+    keeps a few older entries, which the window's mask hides; a global layer's extra entries
+    are never written (no row holds more than max_len)."""
+    n = min(cfg.sliding_window + self.slack, self.max_len) if kind == LOCAL else self.max_len
+    return -(-(n + kv.SCRATCH) // self.align) * self.align - kv.SCRATCH
 
   @property
   def quantized(self) -> bool:

@@ -67,9 +67,30 @@ def program_count(max_batch: int, prefill_chunk: int, data_parallel: int = 1, pr
   decode per row bucket, fork, move, the uncached forward of the smallest `LLM.logits` bucket,
   with prefix caching its save and restore, with speculation verify per row bucket. Logarithmic
   in max_batch and the chunk."""
-  prompt = len(powers_of_two(prefill_chunk, min(MIN_PROMPT_BUCKET, prefill_chunk)))
+  prompt = len(prompt_buckets(prefill_chunk))
   rows = len(powers_of_two(max_batch)) if data_parallel == 1 else 1
   return 2 * prompt + rows * (2 if speculative else 1) + 3 + (2 if prefix_caching else 0)
+
+
+def prompt_chunk(cfg, spec: CacheSpec, prefill_chunk: int, prefix_caching: bool) -> tuple[int, int | None, str | None]:
+  """(the largest prompt chunk one prefill takes, the smallest ring's length or None, why prefix
+  caching is off or None)."""
+  chunk = min(prefill_chunk, spec.max_len)
+  note = None if prefix_caching else "off (enable_prefix_caching=False)"
+  ring = min((spec.layer_len(cfg, k) for k in cfg.layer_kinds if k == LOCAL), default=None)
+  if note is None and ring is not None and ring < BLOCK:
+    note = f"off: the sliding window of {ring} tokens is shorter than a block of {BLOCK}"
+  if note is None:
+    # Blocks are saved from the row after each chunk, so a chunk must fit the smallest ring and
+    # start on a block boundary.
+    limit = chunk if ring is None else min(chunk, ring)
+    chunk = limit - limit % BLOCK if limit >= BLOCK else limit
+  return chunk, ring, note
+
+
+def prompt_buckets(chunk: int) -> tuple[int, ...]:
+  """Prompt lengths a prefill program is compiled for: powers of two from 16 up to the chunk."""
+  return powers_of_two(chunk, min(MIN_PROMPT_BUCKET, chunk))
 
 
 @dataclasses.dataclass
@@ -161,20 +182,12 @@ class Engine:
     self.platform = platform or resolve(str(model.dtype), cache_dtype=cache_dtype, prefill_chunk=prefill_chunk)
     self.spec_cfg = speculative.parse(speculative_config)
     self.spec = CacheSpec(slots=max_batch, max_len=max_len, dtype=cache_dtype or self.platform.cache_dtype,
+                          align=self.platform.cache_align,
                           slack=self.spec_cfg.k if self.spec_cfg else 0)
     self.max_len = max_len
-    self.chunk = min(prefill_chunk or self.platform.prefill_chunk, max_len)
-    self.prefix_note = None if enable_prefix_caching else "off (enable_prefix_caching=False)"
-    ring = min((self.spec.layer_len(cfg, k) for k in cfg.layer_kinds if k == LOCAL), default=None)
-    if self.prefix_note is None and ring is not None and ring < BLOCK:
-      self.prefix_note = f"off: the sliding window of {ring} tokens is shorter than a block of {BLOCK}"
-    if self.prefix_note is None:
-      # Blocks are saved from the row after each chunk, so a chunk must fit the smallest ring and
-      # start on a block boundary.
-      limit = self.chunk if ring is None else min(self.chunk, ring)
-      self.chunk = limit - limit % BLOCK if limit >= BLOCK else limit
-    self.ring = ring
-    self.prompt_buckets = powers_of_two(self.chunk, min(MIN_PROMPT_BUCKET, self.chunk))
+    self.chunk, self.ring, self.prefix_note = prompt_chunk(cfg, self.spec, prefill_chunk or self.platform.prefill_chunk,
+                                                           enable_prefix_caching)
+    self.prompt_buckets = prompt_buckets(self.chunk)
     self.data_parallel = 1 if shardings is None else jax.tree.leaves(shardings["state"])[0].mesh.shape.get("data", 1)
     # Slots split over a data axis: a prefix of rows would sit on a few devices, so steps cover all.
     self.row_buckets = powers_of_two(max_batch) if self.data_parallel == 1 else (max_batch,)

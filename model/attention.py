@@ -39,6 +39,8 @@ class KVBlock(NamedTuple):
   rows: jax.Array | None = None  # [B] int32: the rows of k, v the batch reads; None: the first B
   k_scale: jax.Array | None = None  # [B', K, S, H / 16] float32: k and v are int8 (`model.kv`)
   v_scale: jax.Array | None = None
+  start: jax.Array | None = None  # [B] int32: tokens each row held, when the block is a cache (`kv.held`)
+  ring: int | None = None  # a cache block's ring size (its positions wrap); None: entry j holds position j
 
 
 def attention(q: jax.Array, blocks: Sequence[KVBlock], q_pos: jax.Array, window: int | None,
@@ -262,21 +264,26 @@ def attention_cpu(q, blocks, q_pos, window, softcap, platform=None):
 
 # ---------------------------------------------------------------------------- Pallas (TPU, GPU)
 def attention_pallas(q, blocks, q_pos, window, softcap, platform=None):
-  """Limited blocks (a cache) through the Pallas kernel, each row read up to its own filled length
-  (`pallas_kernels.cache_attention`); the other blocks as the reference reads them. Interpret
-  mode on CPU."""
+  """Cache blocks through the Pallas kernel, each row read up to its own filled length
+  (`pallas_kernels.cache_attention`, positions computed from `start`); the other blocks as the
+  reference reads them. Interpret mode on CPU."""
   b, t, n, h = q.shape
   kh, scores, weighted, run, qg, q_rows = _unlimited_first(q, blocks, q_pos, window, softcap)
-  interpret = jax.default_backend() == "cpu"  # Pallas compiles only for TPU and GPU
+  # Pallas compiles only for TPU and GPU; the platform says which the program is for (a plan
+  # compiles for a TPU from a CPU process).
+  backend = jax.default_backend() if platform is None or platform.backend == "any" else platform.backend
+  interpret = backend not in ("tpu", "gpu", "cuda") or (platform is not None and platform.emulated)
   for blk in blocks:
     if blk.limit is None:
       continue
-    index = jnp.arange(1, blk.pos.shape[1] + 1, dtype=jnp.int32)
-    filled = jnp.max(jnp.where(blk.pos >= 0, index, 0), axis=1)  # [B]: entries up to the row's last key
-    lengths = jnp.minimum(filled, blk.limit).astype(jnp.int32)
+    if blk.start is None:  # not a cache (`kv.held`): positions as given, folded in by XLA
+      run = fold_chunked(run, qg, blk, q_pos, window, min(cpu_chunk(b * kh, t), blk.k.shape[2]), scores, weighted)
+      continue
+    size = blk.k.shape[2] if blk.ring is None else blk.ring
+    length = jnp.minimum(jnp.minimum(blk.start, size), blk.limit).astype(jnp.int32)  # [B] entries to read
     rows = jnp.arange(b, dtype=jnp.int32) if blk.rows is None else blk.rows.astype(jnp.int32)
-    run = pallas_kernels.cache_attention(run, qg, blk.k, blk.v, blk.pos, q_rows, lengths, rows, window=window,
-                                         softcap=softcap, k_scale=blk.k_scale, v_scale=blk.v_scale,
+    run = pallas_kernels.cache_attention(run, qg, blk.k, blk.v, q_rows, blk.start, length, rows, ring=blk.ring,
+                                         window=window, softcap=softcap, k_scale=blk.k_scale, v_scale=blk.v_scale,
                                          interpret=interpret)
   return _ungroup(run[2] / run[1], q)
 

@@ -84,7 +84,8 @@ def held(layer: LayerCache, rows: Rows, ring: bool) -> KVBlock:
   size = capacity(layer)
   pos = jnp.pad(entry_positions(rows.start, size, ring), ((0, 0), (0, SCRATCH)), constant_values=-1)
   limit = jnp.minimum(jnp.max(jnp.where(rows.count > 0, rows.start, 0)), size)
-  return KVBlock(layer.k, layer.v, pos, limit, rows.index, layer.k_scale, layer.v_scale)
+  return KVBlock(layer.k, layer.v, pos, limit, rows.index, layer.k_scale, layer.v_scale, rows.start,
+                 size if ring else None)
 
 
 def write(layer: LayerCache, k: jax.Array, v: jax.Array, rows: Rows, after: jax.Array) -> LayerCache:

@@ -1,15 +1,25 @@
-"""Pallas kernels for accelerators: ragged attention over a KV cache.
+"""Pallas kernels for accelerators: ragged attention over a KV cache, streamed block by block.
 
-`cache_attention` folds each batch row's cached keys into a running softmax, reading only that
-row's filled entries: the grid is (batch row, kv head), and each program loops over its row's
-cache in chunks of `chunk` keys up to the row's own length (not the batch's longest). It handles
-grouped-query heads (the G query heads and T queries of one kv head are one matmul's rows),
-sliding-window ring layers (visibility from the entries' positions), soft-capping, rows read
-through an index (`rows`: the cache slot of each batch row) and an int8 cache with its scales.
+`cache_attention` folds each batch row's cached keys into a running softmax and reads only that
+row's filled entries, as ragged paged attention does on TPU. The grid is (batch row, kv head,
+cache block): the cache is streamed through VMEM in blocks of `BLOCK` entries by BlockSpecs
+(Pallas double-buffers them), and the running state lives in the output blocks, which stay
+resident across the block axis. Scalars prefetched to SMEM (each row's cache row, the tokens it
+held and the entries it reads) pick the blocks: a block past a row's length maps to the row's
+last block, which Pallas does not fetch again, and its compute is skipped. So a step reads what
+its rows hold, not what the cache could.
 
-Its reference is `attention.fold_chunked` (plain XLA, the batch's longest length for every row);
-`attention.attention_pallas` is the entry point behind the kernel interface. On CPU it runs in
-Pallas' interpret mode (slow: for tests); on TPU and GPU it compiles (Mosaic, Triton).
+Positions are not read from memory: entry j of a global layer holds position j; entry j of a
+ring of W holds the latest p < length with p % W == j (`model.kv`). They are computed in the
+kernel from the row's length (scalar arithmetic on the scalar core, one compare per entry), which
+also keeps every block shape one Mosaic accepts: the last two dimensions of a block are whole, or
+multiples of (8, 128).
+
+Grouped-query heads (the G query heads and T queries of one kv head are one matmul's rows),
+sliding-window rings, soft-capping and an int8 cache with its block scales are handled. Its
+reference is `attention.attention_xla`; `attention.attention_pallas` is the entry point behind the
+kernel interface. On CPU it runs in Pallas' interpret mode (for tests); `jaxgen plan` compiles it
+for TPU with libtpu.
 """
 
 from __future__ import annotations
@@ -18,79 +28,129 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 from jaxgen.model.layers import NEG_INF
 
-CHUNK = 128  # keys per loop step; the last step is moved back to end at the cache's end
+BLOCK = 128  # cache entries per grid step: a multiple of every dtype's sublane tile (int8: 32)
 
 
-def _kernel(lengths_ref, rows_ref, q_pos_ref, q_ref, k_ref, v_ref, pos_ref, m_ref, l_ref, acc_ref, *scale_refs,
-            chunk: int, window: int | None, softcap: float | None, out_refs_at: int):
-  scales, (m_out, l_out, acc_out) = scale_refs[:out_refs_at], scale_refs[out_refs_at:]
-  b, h = pl.program_id(0), pl.program_id(1)
-  row = rows_ref[b]
-  size = k_ref.shape[2]
-  q = q_ref[0, 0].astype(jnp.float32)  # [R, H]
-  q_pos = q_pos_ref[0]  # [R]
+def _kernel(rows_ref, start_ref, length_ref, q_pos_ref, q_ref, k_ref, v_ref, *refs, block: int, ring: int | None,
+            window: int | None, softcap: float | None, quantized: bool):
+  """One (row b, kv head, cache block c) step: fold the block's visible entries into the state."""
+  if quantized:
+    ks_ref, vs_ref, m_in, l_in, acc_in, m_ref, l_ref, acc_ref = refs
+  else:
+    (m_in, l_in, acc_in, m_ref, l_ref, acc_ref), ks_ref, vs_ref = refs, None, None
+  b, c = pl.program_id(0), pl.program_id(2)
 
-  def read(ref, scale_ref, at):
-    x = ref[row, h, pl.ds(at, chunk), :].astype(jnp.float32)  # [C, H]
-    if scale_ref is None:
-      return x
-    s = scale_ref[row, h, pl.ds(at, chunk), :]  # [C, H / Q]
-    return (x.reshape(chunk, s.shape[-1], -1) * s[..., None]).reshape(x.shape)
+  @pl.when(c == 0)
+  def _():
+    m_ref[...], l_ref[...], acc_ref[...] = m_in[...], l_in[...], acc_in[...]
 
-  def body(i, carry):
-    m, l, acc = carry
-    at = jnp.minimum(i * chunk, size - chunk)
-    k = read(k_ref, scales[0] if scales else None, at)
-    v = read(v_ref, scales[1] if scales else None, at)
-    s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)  # [R, C]
+  length = length_ref[b]  # entries this row reads
+
+  @pl.when(c * block < length)
+  def _():
+    n = start_ref[b]  # tokens the row held: entry positions follow from it
+
+    def positions(j):
+      """Position held by entries j (int32 of any shape); negative where empty."""
+      if ring is None:
+        return jnp.where(j < n, j, -1)
+      # n - 1 = q * ring + r: entries up to r hold lap q, the later ones lap q - 1 (a lap before
+      # the first: empty).
+      last = jnp.maximum(n - 1, 0)
+      lap = jax.lax.div(last, np.int32(ring))  # truncating: operands are >= 0
+      r = last - lap * ring
+      p = j + ring * (lap - (j > r).astype(jnp.int32))
+      return jnp.where(n > 0, p, -1)
+
+    q = q_ref[0, 0]  # [R, H]
+    q_pos = q_pos_ref[0]  # [R, 1]
+    k, v = k_ref[0, 0], v_ref[0, 0]  # [C, H]
+    if quantized:
+      k, v = _dequantize(k, ks_ref[0, 0], q.dtype), _dequantize(v, vs_ref[0, 0], q.dtype)
+    s = jax.lax.dot_general(q, k.astype(q.dtype), (((1,), (1,)), ((), ())),
+                            preferred_element_type=jnp.float32)  # [R, C]
     if softcap is not None:
       s = jnp.tanh(s / softcap) * softcap
-    k_pos = pos_ref[0, pl.ds(at, chunk)]  # [C]
-    index = at + jax.lax.broadcasted_iota(jnp.int32, (1, chunk), 1)
-    visible = (k_pos[None, :] >= 0) & (k_pos[None, :] <= q_pos[:, None]) & (index >= i * chunk)
+    j = c * block + jax.lax.broadcasted_iota(jnp.int32, (1, block), 1)
+    k_pos = positions(j)  # [1, C]
+    visible = (k_pos >= 0) & (k_pos <= q_pos) & (j < length)
     if window is not None:
-      visible &= q_pos[:, None] - k_pos[None, :] < window
+      visible &= q_pos - k_pos < window
     s = jnp.where(visible, s, NEG_INF)
-    # Entries past the row's length are never weighted; zero them so that whatever they hold
-    # (never written: not necessarily finite) cannot reach the sum as 0 * inf.
-    v = jnp.where((index < lengths_ref[b]).reshape(chunk, 1), v, 0.0)
-    m_new = jnp.maximum(m, jnp.max(s, axis=-1, keepdims=True))
+    # Entries past the row's length, or past the array's end in a last partial block, hold
+    # anything (not necessarily finite): zero them so that 0 * inf cannot reach the sum.
+    j_col = c * block + jax.lax.broadcasted_iota(jnp.int32, (block, 1), 0)
+    v = jnp.where(j_col < length, v.astype(q.dtype), 0)
+    m_prev = m_ref[0, 0]  # [R, 1]
+    m_new = jnp.maximum(m_prev, jnp.max(s, axis=-1, keepdims=True))
     p = jnp.exp(s - m_new)
-    scale = jnp.exp(m - m_new)
-    acc = acc * scale + jax.lax.dot_general(p, v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-    return m_new, l * scale + jnp.sum(p, axis=-1, keepdims=True), acc
-
-  steps = (lengths_ref[b] + chunk - 1) // chunk
-  m, l, acc = jax.lax.fori_loop(0, steps, body, (m_ref[0, 0], l_ref[0, 0], acc_ref[0, 0]))
-  m_out[0, 0], l_out[0, 0], acc_out[0, 0] = m, l, acc
+    scale = jnp.exp(m_prev - m_new)
+    pv = jax.lax.dot_general(p.astype(q.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    acc_ref[0, 0] = acc_ref[0, 0] * scale + pv
+    l_ref[0, 0] = l_ref[0, 0] * scale + jnp.sum(p, axis=-1, keepdims=True)
+    m_ref[0, 0] = m_new
 
 
-def cache_attention(run, qg, k, v, pos, q_rows, lengths, rows, *, window: int | None, softcap: float | None,
-                    k_scale=None, v_scale=None, interpret: bool = False):
-  """Folds each row's cache entries [0, lengths[b]) into the running softmax state.
+def _dequantize(x, scale, dtype):
+  """int8 x [C, H] with float32 scales [C, H / Q] per block of Q lanes -> [C, H] in dtype. The
+  scales are widened by a 0/1 matmul (a lane-splitting reshape is not a layout Mosaic takes)."""
+  groups, h = scale.shape[-1], x.shape[-1]
+  lane = jax.lax.broadcasted_iota(jnp.int32, (groups, h), 1)
+  group = jax.lax.broadcasted_iota(jnp.int32, (groups, h), 0)
+  widen = (jax.lax.div(lane, np.int32(h // groups)) == group).astype(jnp.float32)  # [H / Q, H]
+  wide = jax.lax.dot_general(scale, widen, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+  return (x.astype(jnp.float32) * wide).astype(dtype)
+
+
+def cache_attention(run, qg, k, v, q_pos, start, length, rows, *, ring: int | None, window: int | None,
+                    softcap: float | None, k_scale=None, v_scale=None, interpret: bool = False):
+  """Folds each row's cache entries [0, length[b]) into the running softmax state.
 
   run: (m [B, K, R, 1], l [B, K, R, 1], acc [B, K, R, H]) float32; qg: [B, K, R, H] grouped
-  queries; k, v: [B', K, S, H] (int8 with k_scale, v_scale [B', K, S, H / Q]); pos: [B, S] key
-  positions (-1 empty); q_rows: [B, R] each query row's position; lengths: [B] entries to read;
-  rows: [B] the cache row of each batch row. -> the new (m, l, acc).
+  queries; k, v: [B', K, S, H] (int8 with k_scale, v_scale [B', K, S, H / Q]); q_pos: [B, R] each
+  query row's position; start: [B] tokens each row held (its entries' positions follow, `ring`
+  the ring's size or None for a global layer); length: [B] entries to read (<= S); rows: [B] the
+  cache row of each batch row. -> the new (m, l, acc).
   """
   b, kh, r, h = qg.shape
   size = k.shape[2]
-  chunk = min(CHUNK, size)
-  whole = lambda x: pl.BlockSpec(x.shape, lambda i, j: (0,) * x.ndim)  # noqa: E731  read where it lies
-  per = lambda shape: pl.BlockSpec((1, 1) + shape, lambda i, j: (i, j) + (0,) * len(shape))  # noqa: E731
-  row_of = lambda x: pl.BlockSpec((1,) + x.shape[1:], lambda i, j: (i,) + (0,) * (x.ndim - 1))  # noqa: E731
-  scales = [s for s in (k_scale, v_scale) if s is not None]
-  kernel = functools.partial(_kernel, chunk=chunk, window=window, softcap=softcap, out_refs_at=len(scales))
+  block = size if size <= BLOCK else BLOCK  # a whole small layer is one block
+  blocks = pl.cdiv(size, block)
+  quantized = k_scale is not None
+
+  def cache_block(i, j, c, rows_ref, start_ref, length_ref):
+    # Past the row's length: its last block again (not fetched twice; its compute is skipped).
+    last = jnp.maximum(pl.cdiv(length_ref[i], block) - 1, 0)
+    return rows_ref[i], j, jnp.minimum(c, last), 0
+
+  state = lambda *tail: pl.BlockSpec((1, 1) + tail, lambda i, j, c, *_: (i, j, 0, 0))  # noqa: E731
+  in_specs = [pl.BlockSpec((1, r, 1), lambda i, j, c, *_: (i, 0, 0)),  # query positions [B, R, 1]
+              state(r, h),
+              pl.BlockSpec((1, 1, block, h), cache_block), pl.BlockSpec((1, 1, block, h), cache_block)]
+  scales = []
+  if quantized:
+    g = k_scale.shape[-1]
+    in_specs += [pl.BlockSpec((1, 1, block, g), cache_block)] * 2
+    scales = [k_scale, v_scale]
+  in_specs += [state(r, 1), state(r, 1), state(r, h)]
+  kernel = functools.partial(_kernel, block=block, ring=ring, window=window, softcap=softcap, quantized=quantized)
+  itemsize = jnp.dtype(k.dtype).itemsize
+  cost = pl.CostEstimate(flops=4 * b * kh * r * size * h, transcendentals=b * kh * r * size,
+                         bytes_accessed=2 * b * kh * size * h * itemsize + qg.size * qg.dtype.itemsize)
   return pl.pallas_call(
-      kernel, grid=(b, kh),
-      in_specs=[whole(lengths), whole(rows), row_of(q_rows), per((r, h)), whole(k), whole(v), row_of(pos),
-                per((r, 1)), per((r, 1)), per((r, h))] + [whole(s) for s in scales],
-      out_specs=[per((r, 1)), per((r, 1)), per((r, h))],
+      kernel,
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=3, grid=(b, kh, blocks), in_specs=in_specs,
+          out_specs=[state(r, 1), state(r, 1), state(r, h)]),
       out_shape=[jax.ShapeDtypeStruct((b, kh, r, 1), jnp.float32), jax.ShapeDtypeStruct((b, kh, r, 1), jnp.float32),
                  jax.ShapeDtypeStruct((b, kh, r, h), jnp.float32)],
+      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
+      cost_estimate=cost,
       interpret=interpret,
-  )(lengths, rows, q_rows, qg, k, v, pos, *run, *scales)
+  )(rows.astype(jnp.int32), start.astype(jnp.int32), length.astype(jnp.int32), q_pos[..., None].astype(jnp.int32),
+    qg, k, v, *scales, *run)

@@ -42,10 +42,19 @@ class Platform:
   attention: str = "xla"  # a key of attention.IMPLS
   reasons: tuple[tuple[str, str], ...] = ()  # (op, why this implementation)
   cpu_kernels: cpu_kernels.Status | None = None  # on CPU: whether jaxgen's kernels run here, and why
+  emulated: bool = False  # the backend's choices, run on this CPU (Pallas interpreted): `LLM(emulate=...)`
 
   @property
   def kernels(self) -> dict[str, str]:
     return {"matmul": self.matmul, "attention": self.attention}
+
+  @property
+  def cache_align(self) -> int:
+    """Entries a cache layer's length is a multiple of: the sublane tile of the cache dtype on
+    TPU and GPU (8 rows of 32 bits, packed: 16 of bf16, 32 of int8), none on CPU."""
+    if self.backend in ("cpu", "any"):
+      return 1
+    return 32 // jnp.dtype(self.cache_dtype).itemsize
 
   def why(self, op: str) -> str:
     return dict(self.reasons).get(op, "")
@@ -68,17 +77,30 @@ REFERENCE = Platform(backend="any", matmul="xla", attention="xla",
 
 def resolve(weight_dtype: str, *, cache_dtype: str | None = None, devices: int = 1, matmul: str = "auto",
             attention: str = "auto", prefill_chunk: int | None = None,
-            kernels: cpu_kernels.Status | None = None, quantization: str | None = None) -> Platform:
+            kernels: cpu_kernels.Status | None = None, quantization: str | None = None,
+            backend: str | None = None, device_kind: str | None = None, emulate: str | None = None) -> Platform:
   """The platform for an engine over `devices` devices of the default backend, weights in `weight_dtype`.
 
   matmul / attention: "auto" (the fastest that runs here), "xla" (the plain formulation: what TPU
   and GPU run; on CPU the float32 activations stay), or "cpu" (jaxgen's CPU kernels; a ValueError
   where they cannot run); attention also "pallas" (`pallas_kernels`; interpret mode on CPU).
-  "auto" keeps the plain formulation on TPU and GPU until the Pallas kernel has been measured
-  faster there (`benchmarks/accelerator.py`). kernels: the CPU kernels' status (default: `cpu_kernels.status()`).
+  "auto" takes the Pallas kernel on one TPU chip with a float cache, the plain formulation on GPU,
+  on a mesh and for an int8 cache (each with its reason). kernels: the CPU kernels' status (default: `cpu_kernels.status()`).
   quantization: the weights' (`ModelConfig.weight_quant`): int8 weights take the CPU kernels'
   int8 matmul where they run, whatever `weight_dtype` (the dtype of norms and activations).
+  backend, device_kind: another machine's (`jaxgen plan` compiles for a TPU it does not have);
+  default: this process's devices. emulate: "tpu" or "gpu": what that backend would choose (the
+  weights' dtype for activations and cache, plain XLA ops, an aligned cache), run here on the
+  CPU, Pallas in interpret mode: the accelerators' numerics checked without one.
   """
+  if emulate is not None:
+    if emulate not in ("tpu", "gpu"):
+      raise ValueError(f"emulate={emulate!r} is not supported; choose 'tpu' or 'gpu'")
+    kind = {"tpu": "TPU v5 lite", "gpu": "NVIDIA H100 80GB HBM3"}[emulate]
+    platform = resolve(weight_dtype, cache_dtype=cache_dtype, devices=devices, matmul=matmul, attention=attention,
+                       prefill_chunk=prefill_chunk, quantization=quantization, backend=emulate,
+                       device_kind=f"{kind} (emulated on {jax.default_backend()})")
+    return dataclasses.replace(platform, emulated=True)
   for name, value, choices in (("matmul", matmul, CHOICES), ("attention", attention, ATTENTION_CHOICES)):
     if value not in choices:
       raise ValueError(f"{name}_impl={value!r} is not supported; choose one of {list(choices)}")
@@ -86,15 +108,26 @@ def resolve(weight_dtype: str, *, cache_dtype: str | None = None, devices: int =
     raise ValueError(f"dtype={weight_dtype!r} is not supported; use one of {list(DTYPES)}")
   if cache_dtype is not None and cache_dtype not in CACHE_DTYPES:
     raise ValueError(f"cache_dtype={cache_dtype!r} is not supported; use one of {list(CACHE_DTYPES)}")
-  backend = jax.default_backend()
-  kind = jax.devices()[0].device_kind
+  backend = backend or jax.default_backend()
+  kind = device_kind if device_kind is not None else jax.devices(backend)[0].device_kind
   if backend != "cpu":
     for name, value in (("matmul", matmul), ("attention", attention)):
       if value == "cpu":
         raise ValueError(f"{name}_impl='cpu' needs the CPU backend; this process runs on {backend}")
-    att, att_why = (("pallas", "asked for (attention_impl='pallas'): Pallas kernel, each row read to its length")
-                    if attention == "pallas" else ("xla", "plain XLA formulation over the whole cache"))
-    return Platform(backend, kind, devices, None, cache_dtype or weight_dtype, prefill_chunk or 1024, "xla", att,
+    cache_dtype = cache_dtype or weight_dtype
+    if attention == "pallas":
+      att, att_why = "pallas", "asked for (attention_impl='pallas'): Pallas kernel, each row read to its length"
+    elif attention == "auto" and backend == "tpu" and devices == 1 and cache_dtype != "int8":
+      att, att_why = "pallas", "Pallas kernel streams each row's cache blocks up to its length (XLA reads it whole)"
+    else:
+      why = {"xla": "asked for (attention_impl='xla')",
+             "gpu": "the Pallas kernel is written for TPU (scalar-prefetch grid); GPU keeps XLA's fused attention",
+             "int8": "an int8 cache's scales [.., S, H/16] have a lane dim Mosaic pads to 128 (a relayout copy per step)",
+             "mesh": f"{devices} devices: the kernel has no sharding rule yet (XLA partitions the plain formulation)"}
+      reason = ("xla" if attention == "xla" else "gpu" if backend != "tpu" else "int8" if cache_dtype == "int8"
+                else "mesh")
+      att, att_why = "xla", f"plain XLA formulation over the whole cache: {why[reason]}"
+    return Platform(backend, kind, devices, None, cache_dtype, prefill_chunk or 1024, "xla", att,
                     (("matmul", f"plain XLA formulation: {weight_dtype} is native on {backend}"),
                      ("attention", att_why)))
   cache_dtype = cache_dtype or "float32"

@@ -141,7 +141,9 @@ def test_attention_up_to_a_limit_matches_numpy(impl, limit, chunk):
   cache_k = np.zeros((4, k, s, h), np.float32)
   cache_v = np.zeros((4, k, s, h), np.float32)
   cache_k[[1, 3]], cache_v[[1, 3]] = kk[:, :, :s], poisoned[:, :, :s]
-  blocks = [KVBlock(jnp.asarray(cache_k), jnp.asarray(cache_v), jnp.asarray(pos), jnp.int32(limit), jnp.array([1, 3])),
+  start = jnp.array([limit, limit // 2], jnp.int32)  # what each row held: the positions above (the Pallas kernel's input)
+  blocks = [KVBlock(jnp.asarray(cache_k), jnp.asarray(cache_v), jnp.asarray(pos), jnp.int32(limit), jnp.array([1, 3]),
+                    start=start),
             KVBlock(jnp.asarray(kk[:, :, s:]), jnp.asarray(v[:, :, s:]), jnp.asarray(q_pos))]
   for softcap in (None, 5.0):
     if impl == "xla_chunked":
@@ -158,6 +160,7 @@ def test_attention_with_only_a_limited_block(impl):
   kk = RNG.normal(size=(b, k, s, h)).astype(np.float32)
   v = RNG.normal(size=(b, k, s, h)).astype(np.float32)
   pos = jnp.arange(s)[None]
-  out = attention(jnp.asarray(q), [KVBlock(jnp.asarray(kk), jnp.asarray(v), pos, jnp.int32(s))], jnp.array([[s]]),
+  out = attention(jnp.asarray(q), [KVBlock(jnp.asarray(kk), jnp.asarray(v), pos, jnp.int32(s), start=jnp.array([s]))],
+                  jnp.array([[s]]),
                   None, None, _platform(impl))
   np.testing.assert_allclose(np.asarray(out), _numpy_attention(q, kk, v, np.ones((b, t, s), bool)), rtol=1e-5, atol=1e-5)

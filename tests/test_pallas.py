@@ -32,7 +32,8 @@ def blocks_for(rng, *, b, t, n, kh, h, size, lengths, ring, int8=False):
   limit = jnp.minimum(jnp.max(lengths), size)
   fresh = KVBlock(jnp.asarray(rng.normal(size=(b, kh, t, h)), jnp.float32),
                   jnp.asarray(rng.normal(size=(b, kh, t, h)), jnp.float32), q_pos)
-  return q, [KVBlock(jnp.asarray(k), jnp.asarray(v), pos, limit, rows, **scales), fresh], q_pos
+  held = KVBlock(jnp.asarray(k), jnp.asarray(v), pos, limit, rows, **scales, start=lengths, ring=size if ring else None)
+  return q, [held, fresh], q_pos
 
 
 @pytest.mark.parametrize("n,kh", [(4, 4), (4, 2), (8, 2), (8, 1)], ids=["gqa1", "gqa2", "gqa4", "gqa8"])
