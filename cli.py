@@ -1,4 +1,4 @@
-"""The `jaxgen` command: generate (default), chat, serve, bench, convert, info.
+"""The `jaxgen` command: generate (default), chat, serve, bench, convert, info, plan.
 
 `jaxgen` alone generates from a default prompt with the embedded Gemma 3 270M and prints the
 phase report (prefill and decode apart, never one blended speed). Options given without a
@@ -13,7 +13,7 @@ import os
 import sys
 import time
 
-from jaxgen import bench, info, serve
+from jaxgen import bench, info, plan, serve, targets
 from jaxgen.checkpoints.chat import chat_format
 from jaxgen.checkpoints.convert import convert
 from jaxgen.decode import compiles
@@ -220,6 +220,21 @@ def cmd_convert(a) -> int:
   return 0
 
 
+def cmd_plan(a) -> int:
+  cfg, where = plan.model_config(a.model)
+  mesh = MeshConfig.parse(a.mesh) if a.mesh else None
+  only = None
+  if a.programs:
+    prefixes = tuple(p.strip() for p in a.programs.split(",") if p.strip())
+    only = lambda name: name.startswith(prefixes)  # noqa: E731
+  report = plan.plan(cfg, a.target, model_name=where, dtype=a.dtype, quantization=a.quantization,
+                     cache_dtype=a.cache_dtype, max_batch=a.max_batch, max_len=a.max_len, mesh=mesh,
+                     attention_impl=a.attention_impl, speculative_config=a.speculative,
+                     prefix_caching=not a.no_prefix_caching, only=only)
+  print(json.dumps(report.as_json(), indent=1) if a.json else report)
+  return 0 if report.fits else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="jaxgen", description="JAX/XLA compiled LLM inference")
   sub = parser.add_subparsers(dest="command")
@@ -268,6 +283,28 @@ def build_parser() -> argparse.ArgumentParser:
   model_args(b)
   bench.add_arguments(b)
   b.set_defaults(func=lambda a: bench.run(a, make_llm))
+
+  pl = sub.add_parser("plan", help="compile every program for a TPU slice that is not here; HBM, bytes, FLOPs, "
+                      "predicted rates", description="Builds the engine's programs from the model's configuration "
+                      "alone (no weight is read) and compiles them with libtpu for --target. Exit status 1 when a "
+                      "program fails to compile or does not fit in HBM.")
+  pl.add_argument("--target", required=True, choices=sorted(targets.TARGETS), metavar="TARGET",
+                  help=f"the slice: {', '.join(sorted(targets.TARGETS))}")
+  pl.add_argument("--model", default=None, help=f"a preset ({', '.join(targets.MODELS)}), an HF config.json or "
+                  "directory, or a GGUF file (default: the embedded Gemma 3 270M); only its shapes are read")
+  pl.add_argument("--dtype", default="bfloat16", choices=DTYPES)
+  pl.add_argument("--quantization", default=None, choices=["int8"])
+  pl.add_argument("--cache-dtype", default=None, choices=CACHE_DTYPES, help="default: the weights' dtype")
+  pl.add_argument("--max-batch", type=int, default=8, help="cache slots")
+  pl.add_argument("--max-len", type=int, default=2048, help="tokens per slot")
+  pl.add_argument("--mesh", default=None, metavar="data=D,model=M", help="default: every chip on 'model'")
+  pl.add_argument("--attention-impl", default="auto", choices=ATTENTION_CHOICES)
+  pl.add_argument("--speculative", default=None, metavar="METHOD:K", help="as for generate: adds the verify programs")
+  pl.add_argument("--no-prefix-caching", action="store_true", help="leave out the prefix store and its programs")
+  pl.add_argument("--programs", default=None, metavar="PREFIXES",
+                  help="compile only the programs whose names start with one of these (e.g. 'decode,prefill_fresh')")
+  pl.add_argument("--json", action="store_true", help="print one JSON object")
+  pl.set_defaults(func=cmd_plan)
 
   i = sub.add_parser("info", help="versions, devices, and which kernel serves each op, and why")
   i.add_argument("--dtype", default="float32", choices=DTYPES)

@@ -291,6 +291,10 @@ class Programs:
   def prefill(self, params, state, tokens, counts, slots, row_params, want_logprobs, *, fresh: bool):
     return self._prefill[fresh](params, state, tokens, counts, slots, row_params, want_logprobs)
 
+  def prefill_program(self, fresh: bool):
+    """The jitted prefill program (fresh or continued): `jaxgen plan` lowers it abstractly."""
+    return self._prefill[fresh]
+
   def lower_prefill(self, params, state, tokens, counts, slots, row_params, want_logprobs, *, fresh: bool):
     """The prefill program for these arguments traced and lowered (`jax.stages.Lowered`): its
     `compile()` compiles it or loads it from the persistent cache, and a call with these arguments

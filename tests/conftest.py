@@ -7,8 +7,15 @@ independent implementation (HF transformers, `tools/make_reference.py`).
 
 from __future__ import annotations
 
-import hashlib
 import os
+
+# The suite runs on the CPU, also where libtpu is installed (the test extra brings it for
+# `jaxgen plan`'s TPU compiles): no process tries to open a TPU, and every worker and subprocess
+# may load libtpu (it otherwise takes a lock that one process holds).
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+import hashlib  # noqa: E402
 import pathlib
 import shutil
 import time
@@ -176,10 +183,10 @@ def llm_bf16():
 # Modules by the time they take, longest first (a cold run's `--durations`): with `-n 2 --dist
 # loadscope --no-loadscope-reorder` each module goes whole to a worker in this order, so the long
 # ones start at once and the short ones fill in at the end. Modules not named follow in file order.
-SLOWEST_FIRST = ("test_speculative", "test_engine", "test_generate", "test_prefix", "test_sharding", "test_serve",
-                 "test_golden", "test_cli", "test_cache", "test_pallas", "test_weights", "test_notebook",
-                 "test_quant", "test_orbax", "test_serve_faults", "test_gguf", "test_cpu_kernels", "test_hf",
-                 "test_multiprocess")
+SLOWEST_FIRST = ("test_speculative", "test_engine", "test_generate", "test_plan", "test_prefix", "test_sharding",
+                 "test_emulated", "test_serve", "test_golden", "test_cli", "test_cache", "test_pallas", "test_weights",
+                 "test_notebook", "test_quant", "test_orbax", "test_serve_faults", "test_gguf", "test_cpu_kernels",
+                 "test_hf", "test_multiprocess")
 
 
 def pytest_collection_modifyitems(config, items):
