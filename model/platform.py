@@ -67,6 +67,7 @@ class Platform:
     return dict(backend=self.backend, device_kind=self.device_kind, devices=self.devices,
                 activation_dtype=self.activation_dtype, cache_dtype=self.cache_dtype,
                 prefill_chunk=self.prefill_chunk, kernels=self.kernels, reasons=dict(self.reasons),
+                emulated=self.emulated,
                 cpu_kernels=None if self.cpu_kernels is None else dataclasses.asdict(self.cpu_kernels))
 
 
