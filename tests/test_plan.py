@@ -179,14 +179,16 @@ def test_jaxgen_plan_json_for_a_config_with_no_weights(tmp_path):
 @needs_libtpu
 @pytest.mark.slow
 @pytest.mark.parametrize("generation,attention,quantization", [("v5e", "auto", None), ("v6e", "xla", "int8")])
-def test_the_embedded_models_decode_and_prefill_compile_for_one_chip(generation, attention, quantization):
+def test_the_embedded_models_programs_compile_for_one_chip(generation, attention, quantization):
   cfg, _ = plan.model_config(None)
+  # A prompt chunk with the kernel; decode in both (docs/accelerators.md has every program's compile).
+  wanted = ("prefill_fresh_16", "decode_8") if attention == "auto" else ("decode_8",)
   r = plan.plan(cfg, f"tpu-{generation}-1", max_batch=8, max_len=2048, attention_impl=attention,
-                quantization=quantization, only=lambda n: n in ("decode_8", "prefill_fresh_16"))
-  assert [p.name for p in r.programs] == ["prefill_fresh_16", "decode_8"]
+                quantization=quantization, only=lambda n: n in wanted)
+  assert tuple(p.name for p in r.programs) == wanted
   assert all(p.compiled for p in r.programs), [p.error for p in r.programs]
   assert r.attention == ("pallas" if attention == "auto" else "xla")
-  decode = r.programs[1]
+  decode = r.programs[-1]
   assert decode.alias_bytes >= r.state_bytes  # the cache is donated and aliased
   assert r.fits and r.hbm_bytes < r.hbm_capacity_bytes
 
