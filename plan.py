@@ -152,7 +152,8 @@ class Report:
         return None
       p = max(runs, key=lambda p: p.tokens)
       # The GPU compiler reports no cost analysis: there, 2 FLOPs per weight and token.
-      flops = p.flops or 2.0 * p.tokens * self.weight_bytes / (1 if self.quantization else jnp.dtype(self.dtype).itemsize)
+      weights = self.weight_bytes / (1 if self.quantization else jnp.dtype(self.dtype).itemsize)
+      flops = p.flops or 2.0 * p.tokens * weights
       memory, compute = must_move / chip.hbm_bandwidth, flops / peak
       step = max(memory, compute)
       loose = max(p.bytes_accessed / chip.hbm_bandwidth, compute)
@@ -215,17 +216,22 @@ def plan(cfg: ModelConfig, target: str | targets.Target, *, model_name: str = ""
   A program's HBM counts the arrays resident beside its arguments (the prefix store).
   """
   tgt = targets.target(target) if isinstance(target, str) else target
+  if max_batch < 1:
+    raise ValueError(f"max_batch={max_batch} must be >= 1")
+  if max_len < 2:
+    raise ValueError(f"max_len={max_len} must be >= 2")
+  if max_len > cfg.max_context:
+    raise ValueError(f"max_len={max_len} exceeds the model's context length {cfg.max_context}")
   devices = topology_devices(tgt)
   mesh = (mesh or MeshConfig(data=1, model=-1)).build(devices)
   if quantization is not None:
     cfg = dataclasses.replace(cfg, weight_quant=quantization)
-  if max_len > cfg.max_context:
-    raise ValueError(f"max_len={max_len} exceeds the model's context length {cfg.max_context}")
   platform = resolve(dtype, cache_dtype=cache_dtype, devices=tgt.chips, attention=attention_impl,
                      quantization=quantization, backend="tpu" if tgt.chip.platform == "tpu" else "gpu",
                      device_kind=tgt.chip.kind)
   spec_cfg = speculative.parse(speculative_config)
-  spec = CacheSpec(slots=max_batch, max_len=max_len, dtype=platform.cache_dtype, align=platform.cache_align, slack=spec_cfg.k if spec_cfg else 0)
+  spec = CacheSpec(slots=max_batch, max_len=max_len, dtype=platform.cache_dtype, align=platform.cache_align,
+                   slack=spec_cfg.k if spec_cfg else 0)
   chunk, _, note = prompt_chunk(cfg, spec, platform.prefill_chunk, prefix_caching)
   weight_dtype = jnp.dtype(dtype)
   graphdef, abstract = nnx.split(model_params.abstract_model(cfg, weight_dtype))

@@ -276,9 +276,9 @@ def attention_pallas(q, blocks, q_pos, window, softcap, platform=None):
   for blk in blocks:
     if blk.limit is None:
       continue
-    if blk.start is None:  # not a cache (`kv.held`): positions as given, folded in by XLA
-      run = fold_chunked(run, qg, blk, q_pos, window, min(cpu_chunk(b * kh, t), blk.k.shape[2]), scores, weighted)
-      continue
+    if blk.start is None:
+      raise ValueError("attention_impl='pallas' reads cache blocks made by kv.held: their positions follow from "
+                       "each row's length (KVBlock.start), which this block does not carry")
     size = blk.k.shape[2] if blk.ring is None else blk.ring
     length = jnp.minimum(jnp.minimum(blk.start, size), blk.limit).astype(jnp.int32)  # [B] entries to read
     rows = jnp.arange(b, dtype=jnp.int32) if blk.rows is None else blk.rows.astype(jnp.int32)

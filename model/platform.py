@@ -86,7 +86,8 @@ def resolve(weight_dtype: str, *, cache_dtype: str | None = None, devices: int =
   and GPU run; on CPU the float32 activations stay), or "cpu" (jaxgen's CPU kernels; a ValueError
   where they cannot run); attention also "pallas" (`pallas_kernels`; interpret mode on CPU).
   "auto" takes the Pallas kernel on one TPU chip with a float cache, the plain formulation on GPU,
-  on a mesh and for an int8 cache (each with its reason). kernels: the CPU kernels' status (default: `cpu_kernels.status()`).
+  on a mesh and for an int8 cache (each with its reason). kernels: the CPU kernels' status
+  (default: `cpu_kernels.status()`).
   quantization: the weights' (`ModelConfig.weight_quant`): int8 weights take the CPU kernels'
   int8 matmul where they run, whatever `weight_dtype` (the dtype of norms and activations).
   backend, device_kind: another machine's (`jaxgen plan` compiles for a TPU it does not have);
@@ -123,7 +124,7 @@ def resolve(weight_dtype: str, *, cache_dtype: str | None = None, devices: int =
     else:
       why = {"xla": "asked for (attention_impl='xla')",
              "gpu": "the Pallas kernel is written for TPU (scalar-prefetch grid); GPU keeps XLA's fused attention",
-             "int8": "an int8 cache's scales [.., S, H/16] have a lane dim Mosaic pads to 128 (a relayout copy per step)",
+             "int8": "an int8 cache's scales [.., S, H/16]: a lane dim Mosaic pads to 128 (a relayout copy per step)",
              "mesh": f"{devices} devices: the kernel has no sharding rule yet (XLA partitions the plain formulation)"}
       reason = ("xla" if attention == "xla" else "gpu" if backend != "tpu" else "int8" if cache_dtype == "int8"
                 else "mesh")

@@ -26,6 +26,7 @@ from jaxgen.decode.engine import program_count, prompt_chunk
 from jaxgen.decode.steps import Programs, state_axes
 from jaxgen.model import pallas_kernels
 from jaxgen.model import params as model_params
+from jaxgen.model.attention import KVBlock, attention_pallas
 from jaxgen.model.config import GLOBAL, LOCAL
 from jaxgen.model.platform import Platform, resolve
 from jaxgen.sharding.mesh import MeshConfig
@@ -129,6 +130,8 @@ def test_auto_takes_the_kernel_on_one_tpu_chip_only():
   assert "sharding rule" in resolve("bfloat16", devices=8, **tpu).why("attention")
   assert resolve("bfloat16", backend="gpu", device_kind="NVIDIA H100").attention == "xla"
   assert resolve("bfloat16", attention="xla", **tpu).attention == "xla"
+  with pytest.raises(ValueError, match="emulate='tpu5' is not supported"):
+    resolve("bfloat16", emulate="tpu5")
 
 
 def _tiny_config_json(tmp_path):
@@ -247,3 +250,26 @@ def test_a_decode_step_compiles_for_an_h100_without_one(tmp_path):
   assert decode.alias_bytes >= r.state_bytes and r.fits
   pred = r.predicted()
   assert pred["decode"]["bound"] == "memory" and pred["decode_tok_s"] > 0
+
+
+@pytest.mark.parametrize("kw,match", [(dict(max_batch=0), "max_batch=0 must be >= 1"),
+                                      (dict(max_len=1), "max_len=1 must be >= 2"),
+                                      (dict(max_len=10**6), "max_len=1000000 exceeds the model's context length 4096")])
+def test_plan_refuses_bad_sizes_naming_them(tmp_path, kw, match):
+  cfg, _ = plan.model_config(str(_tiny_config_json(tmp_path)))
+  with pytest.raises(ValueError, match=match):
+    plan.plan(cfg, "tpu-v5e-1", **kw)
+
+
+def test_plan_refuses_unknown_targets_and_models(tmp_path):
+  with pytest.raises(ValueError, match="--target 'tpu-v9-1' is not known"):
+    targets.target("tpu-v9-1")
+  with pytest.raises(ValueError, match="neither a preset"):
+    plan.model_config(str(tmp_path / "missing"))
+
+
+def test_the_kernel_path_refuses_a_block_that_is_not_a_cache():
+  q = jnp.zeros((1, 1, 2, 16), jnp.float32)
+  blk = KVBlock(jnp.zeros((1, 1, 8, 16)), jnp.zeros((1, 1, 8, 16)), jnp.zeros((1, 8), jnp.int32), jnp.int32(4))
+  with pytest.raises(ValueError, match="KVBlock.start"):
+    attention_pallas(q, [blk], jnp.zeros((1, 1), jnp.int32), None, None)
