@@ -26,6 +26,7 @@ acceptance, mean accepted length).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import time
@@ -38,7 +39,7 @@ from jaxgen.checkpoints.chat import chat_format
 from jaxgen.checkpoints.source import default_model_path
 from jaxgen.decode.buckets import bucket
 from jaxgen.decode.engine import Engine
-from jaxgen.decode.params import SamplingParams, row_params
+from jaxgen.decode.params import SamplingParams
 from jaxgen.model import kv
 from jaxgen.model.attention import cpu_chunk
 from jaxgen.model.config import LOCAL
@@ -77,7 +78,7 @@ def roofline(dtype: str = "float32") -> dict:
 
 
 def model_bytes(llm) -> int:
-  return sum(int(x.nbytes) for x in jax.tree.leaves(llm.engine.params))
+  return sum(int(x.nbytes) for x in jax.tree.leaves(llm.engine.runner.params))
 
 
 def prefill_flops(cfg, t: int) -> float:
@@ -120,23 +121,11 @@ def _fill(engine: Engine, rows: int, prompt_len: int) -> Engine:
 def bench_prefill(llm, lengths, roof) -> list[dict]:
   eng = llm.engine
   rows = []
-  row = row_params(_bench_params(1), prompt_len=1, stop_ids=(), seed=0)
   for t in lengths:
     if t >= eng.max_len:
       continue
-    tokens = prompt_ids(np.random.default_rng(t), (1, t), llm.cfg.vocab_size).astype(np.int32)
-
-    def run(t=t, tokens=tokens):
-      # Chunked like the engine does it when t exceeds the largest bucket.
-      done = 0
-      while done < t:
-        n = min(eng.chunk, t - done)
-        chunk = np.zeros((1, bucket(n, eng.prompt_buckets)), np.int32)
-        chunk[0, :n] = tokens[0, done:done + n]
-        eng.state, out = eng.programs.prefill(eng.params, eng.state, chunk, np.array([n], np.int32),
-                                              np.array([0], np.int32), row, np.bool_(False), fresh=done == 0)
-        done += n
-      return out.tokens
+    tokens = prompt_ids(np.random.default_rng(t), t, llm.cfg.vocab_size).astype(np.int32)
+    run = functools.partial(eng.runner.prefill_prompt, tokens)  # chunked as the engine chunks prompts
 
     sec = _timed(run, reps=3)
     flops = prefill_flops(llm.cfg, t)
@@ -166,17 +155,16 @@ def kv_bytes_read(cache, length: int, platform, rows: int | None = None) -> int:
 
 
 def _decode_rate(eng: Engine, rows: int, steps: int, weights: int, context: int, roof) -> dict:
-  active = np.zeros(bucket(rows, eng.row_buckets), np.bool_)
-  active[:rows] = True
+  step_rows = bucket(rows, eng.config.row_buckets)
 
   def run():
     for _ in range(steps):
-      eng.state, out = eng.programs.decode(eng.params, eng.state, active, np.bool_(False))
-    return out.tokens
+      out = eng.runner.decode_rows(rows)
+    return out
 
   sec = _timed(run, reps=3) / steps
-  moved = weights + kv_bytes_read(eng.state.cache, context + 2 * steps, eng.platform, active.size)
-  return dict(batch=rows, slots=len(eng.slots), step_rows=int(active.size), step_ms=sec * 1e3, tok_s=rows / sec,
+  moved = weights + kv_bytes_read(eng.runner.state.cache, context + 2 * steps, eng.config.platform, step_rows)
+  return dict(batch=rows, slots=eng.config.max_batch, step_rows=step_rows, step_ms=sec * 1e3, tok_s=rows / sec,
               mbu=moved / sec / roof["mem_bw"], bytes_per_step=moved)
 
 
@@ -288,7 +276,7 @@ def bench_speculative(llm, spec: str, out_len: int) -> list[dict]:
   """Batch-1 decode with and without speculation on SPEC_RUNS (chat template; sampled runs seeded,
   so both give the same tokens)."""
   fmt = chat_format(llm.tokenizer)
-  drafter = llm.engine.drafter  # the draft `LLM(speculative_config=spec)` loaded, if the method uses one
+  drafter = llm.engine.runner.drafter  # the draft `LLM(speculative_config=spec)` loaded, if the method uses one
   draft_model = None if drafter is None else nnx.merge(drafter.graphdef, drafter.params)
   rows = []
   for name, temperature in SPEC_RUNS:

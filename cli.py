@@ -124,10 +124,10 @@ def cmd_generate(a) -> int:
     wall = time.perf_counter() - start
     print(json.dumps(dict(prompt=prompt, text=out.text, token_ids=out.token_ids, finish_reason=out.finish_reason,
                           metrics=out.metrics.as_dict(), load_s=load_s, warmup_s=warm_s, wall_s=wall,
-                          dtype=a.dtype, quantization=llm.cfg.weight_quant, cache_dtype=llm.engine.spec.dtype)))
+                          dtype=a.dtype, quantization=llm.cfg.weight_quant, cache_dtype=llm.config.cache.dtype)))
     return 0
   if not a.quiet:
-    spec = llm.engine.spec
+    spec = llm.config.cache
     t = llm.timings
     print(f"# loaded in {load_s:.1f} s (weights {t.get('read_s', 0):.1f} s, weight cache: {t.get('weight_cache')}; "
           f"placed {t.get('place_s', 0):.1f} s, tokenizer {t.get('tokenizer_s', 0):.1f} s), warm-up {warm_s:.1f} s; "

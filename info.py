@@ -14,7 +14,7 @@ import platform as host
 import flax
 import jax
 import jaxlib
-from jaxgen.decode.engine import program_count
+from jaxgen.decode.config import program_count
 from jaxgen.llm import DEFAULT_COMPILATION_CACHE
 from jaxgen.model import platform as platforms
 from jaxgen.model.matmul import INT8_IMPLS

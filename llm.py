@@ -15,17 +15,17 @@ from flax import nnx
 from jaxgen.checkpoints import source, weights
 from jaxgen.checkpoints.chat import chat_format, conversations
 from jaxgen.checkpoints.tokenizer import Tokenizer
-from jaxgen.decode import draft, prefix, speculative
+from jaxgen.decode import draft, speculative
 from jaxgen.decode.buckets import bucket, powers_of_two
-from jaxgen.decode.cache import CacheSpec
-from jaxgen.decode.engine import MIN_PROMPT_BUCKET, Engine
+from jaxgen.decode.config import MIN_PROMPT_BUCKET, EngineConfig
+from jaxgen.decode.engine import Engine
 from jaxgen.decode.outputs import RequestOutput
 from jaxgen.decode.params import SamplingParams, token_ids
-from jaxgen.decode.steps import memory_plan, state_shardings
+from jaxgen.decode.steps import memory_plan
 from jaxgen.model import cpu_kernels, quant
 from jaxgen.model import platform as platforms
 from jaxgen.model.config import ModelConfig
-from jaxgen.model.params import check_tree, flat_params, path_str
+from jaxgen.model.params import check_tree, flat_params
 from jaxgen.sharding import distributed, rules
 from jaxgen.sharding.mesh import MeshConfig, as_mesh
 from tqdm.auto import tqdm
@@ -113,39 +113,35 @@ class LLM:
     self.platform = resolve(quantization=self.cfg.weight_quant)  # an orbax checkpoint saved int8 restores int8
     _warn_if_kernels_failed(self.platform)
     self.max_len = min(max_len, self.cfg.max_context)
-    # The engine's (its rings hold k more under speculation).
-    spec = CacheSpec(slots=max_batch, max_len=self.max_len, dtype=self.platform.cache_dtype,
-                     align=self.platform.cache_align, slack=spec_cfg.k if spec_cfg else 0)
-    draft_model = draft_platform = None
+    draft_model = None
     if spec_cfg is not None and spec_cfg.method == "draft_model":
       if _weights is not None and spec_cfg.model == "self" and spec_cfg.quantization not in (None, quantization):
         raise ValueError("speculative_config model='self' with other quantization needs a checkpoint to re-read; "
                          "an LLM from weights in memory can draft with itself or its first layers only")
       draft_model = draft.load(spec_cfg, self.model, model, self.tokenizer, dtype, self.mesh)
-      draft_platform = resolve(quantization=draft_model.cfg.weight_quant)
-    self.plan, shardings = None, None
+    settings = dict(max_batch=max_batch, max_len=self.max_len, platform=self.platform, mesh=self.mesh,
+                    enable_prefix_caching=enable_prefix_caching, prefix_cache_tokens=prefix_cache_tokens,
+                    speculative_config=spec_cfg,
+                    draft=None if draft_model is None else (draft_model.cfg, str(draft_model.dtype)),
+                    draft_platform=None if draft_model is None else resolve(quantization=draft_model.cfg.weight_quant))
+    self.plan = None
     if self.mesh is not None:
+      # Requests without a seed draw one on the host: every process must draw the same.
+      settings["seed"] = distributed.same_seed(seed if seed is not None else np.random.SeedSequence().entropy % 2**63)
+      config = EngineConfig.resolve(self.cfg, dtype, **{**settings, "enable_prefix_caching": False})
       planned = None if draft_model is None else (draft_model.cfg, draft_model.dtype,
                                                   _shares_weights(draft_model, self.model))
-      plan = functools.partial(memory_plan, self.cfg, dtype, spec, self.mesh, draft=planned)
+      plan = functools.partial(memory_plan, self.cfg, dtype, config.cache, self.mesh, draft=planned)
       self.plan = plan().check()
-      if enable_prefix_caching:  # the store's budget comes from the plan, and is planned with it
-        if prefix_cache_tokens is None:
-          prefix_cache_tokens = prefix.default_tokens(self.cfg, spec.dtype, spec.total_bytes(self.cfg),
-                                                      self.plan.free)
-        store = prefix.spec_for(self.cfg, spec.dtype, prefix_cache_tokens)
-        self.plan = plan(store=store).check()
-      shardings = {"params": rules.param_tree(nnx.state(self.model), rules.param_shardings(self.cfg, dtype, self.mesh)),
-                   "state": state_shardings(self.cfg, spec, self.mesh)}
-      # Requests without a seed draw one on the host: every process must draw the same.
-      seed = distributed.same_seed(seed if seed is not None else np.random.SeedSequence().entropy % 2**63)
+      # The prefix store's default budget comes from what the plan leaves free, and is planned with it.
+      config = EngineConfig.resolve(self.cfg, dtype, **settings, free_bytes=self.plan.free)
+      if config.store is not None:
+        self.plan = plan(store=config.store).check()
+    else:
+      config = EngineConfig.resolve(self.cfg, dtype, **settings, seed=seed)
     t1 = time.perf_counter()
-    self.engine = Engine(self.model, self.tokenizer, max_batch=max_batch, max_len=self.max_len,
-                         platform=self.platform, shardings=shardings, seed=seed,
-                         enable_prefix_caching=enable_prefix_caching, prefix_cache_tokens=prefix_cache_tokens,
-                         speculative_config=spec_cfg, draft_model=draft_model, draft_platform=draft_platform)
-    if self.mesh is not None and self.engine.store_spec is None and self.plan.prefix_store:
-      self.plan = plan().check()  # the engine keeps no store
+    self.config = config
+    self.engine = Engine(self.model, self.tokenizer, config, draft_model=draft_model)
     self.logits_buckets = powers_of_two(self.cfg.max_context, MIN_PROMPT_BUCKET)
     self.timings["engine_s"] = time.perf_counter() - t1
     if ahead:
@@ -178,7 +174,7 @@ class LLM:
     """The parameters the engine runs: {name: array} in jaxgen's layout, with their shardings
     (int8 weights with their `_scale` arrays under quantization). The arrays are the engine's own:
     read them, do not donate them."""
-    return flat_params(nnx.merge(self.engine.graphdef, self.engine.params))
+    return flat_params(self.engine.model())
 
   def update_weights(self, weights_tree) -> None:
     """Swaps in new parameters of the same names, shapes and dtypes; nothing recompiles.
@@ -192,18 +188,11 @@ class LLM:
     emptied. A draft model keeps its own weights (speculation stays exact, it may accept fewer
     proposals). Not while a server's engine loop owns the engine.
     """
-    eng = self.engine
     current = self.weights()
     values = check_tree(self.cfg, self.dtype, weights_tree, source="update_weights")
     values = rules.place_tree(values, {name: x.sharding for name, x in current.items()})
-    for rid in list(eng.requests):
-      eng.abort(rid)
-    while eng.has_unfinished():
-      eng.step()
-    flat = nnx.to_flat_state(eng.params)
-    eng.params = nnx.from_flat_state([(path, var.replace(values[path_str(path)])) for path, var in flat])
-    self.model = nnx.merge(eng.graphdef, eng.params)  # the old arrays are no longer held here either
-    eng.reset_prefix_cache()
+    self.engine.update_weights(values)
+    self.model = self.engine.model()  # the old arrays are no longer held here either
 
   # ------------------------------------------------------------------------------------- scoring
   def logits(self, token_ids_: Sequence[int]) -> np.ndarray:
@@ -218,7 +207,7 @@ class LLM:
       raise ValueError(f"{len(ids)} tokens exceed the model's context length {self.cfg.max_context}")
     tokens = np.zeros((1, bucket(len(ids), self.logits_buckets)), np.int32)
     tokens[0, :len(ids)] = ids
-    return np.asarray(self.engine.programs.logits(self.engine.params, tokens))[0, :len(ids)]
+    return self.engine.logits(tokens)[0, :len(ids)]
 
   # ---------------------------------------------------------------------------------- generation
   def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -34,10 +34,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxgen import targets
 from jaxgen.checkpoints import gguf, hf, source
-from jaxgen.decode import prefix, speculative
-from jaxgen.decode.buckets import powers_of_two
-from jaxgen.decode.cache import CacheSpec
-from jaxgen.decode.engine import prompt_buckets, prompt_chunk
+from jaxgen.decode import speculative
+from jaxgen.decode.config import EngineConfig
 from jaxgen.decode.prefix import BLOCK
 from jaxgen.decode.steps import Programs, memory_plan, state_axes, state_shardings, store_shardings
 from jaxgen.model import params as model_params
@@ -230,34 +228,29 @@ def plan(cfg: ModelConfig, target: str | targets.Target, *, model_name: str = ""
                      quantization=quantization, backend="tpu" if tgt.chip.platform == "tpu" else "gpu",
                      device_kind=tgt.chip.kind)
   spec_cfg = speculative.parse(speculative_config)
-  spec = CacheSpec(slots=max_batch, max_len=max_len, dtype=platform.cache_dtype, align=platform.cache_align,
-                   slack=spec_cfg.k if spec_cfg else 0)
-  chunk, _, note = prompt_chunk(cfg, spec, platform.prefill_chunk, prefix_caching)
+  settings = dict(max_batch=max_batch, max_len=max_len, platform=platform, mesh=mesh, speculative_config=spec_cfg,
+                  enable_prefix_caching=prefix_caching)
+  config = EngineConfig.resolve(cfg, dtype, **settings)
   weight_dtype = jnp.dtype(dtype)
+  pl = memory_plan(cfg, weight_dtype, config.cache, mesh, capacity=tgt.chip.hbm_bytes)
+  if config.store is not None and tgt.chips == 1:  # the store's default share of what one chip has free
+    config = EngineConfig.resolve(cfg, dtype, **settings, free_bytes=tgt.chip.hbm_bytes - pl.total)
+  spec = config.cache
   graphdef, abstract = nnx.split(model_params.abstract_model(cfg, weight_dtype))
   p_sh = rules.param_tree(abstract, rules.param_shardings(cfg, weight_dtype, mesh))
-  s_sh = state_shardings(cfg, spec, mesh)
-  shardings = dict(params=p_sh, state=s_sh)
-  pl = memory_plan(cfg, weight_dtype, spec, mesh, capacity=tgt.chip.hbm_bytes)
-  store_spec = None
-  if note is None:
-    free = tgt.chip.hbm_bytes - pl.total if tgt.chips == 1 else None
-    store_spec = prefix.spec_for(cfg, spec.dtype, prefix.default_tokens(cfg, spec.dtype, spec.total_bytes(cfg), free))
-    if store_spec.usable < 1:
-      store_spec = None
-    else:
-      shardings["store"] = store_shardings(cfg, store_spec, mesh)
-      pl = memory_plan(cfg, weight_dtype, spec, mesh, capacity=tgt.chip.hbm_bytes, store=store_spec)
+  shardings = dict(params=p_sh, state=state_shardings(cfg, spec, mesh))
+  if config.store is not None:
+    shardings["store"] = store_shardings(cfg, config.store, mesh)
+    pl = memory_plan(cfg, weight_dtype, spec, mesh, capacity=tgt.chip.hbm_bytes, store=config.store)
   programs = Programs(graphdef, cfg, spec, platform, shardings)
   abstract_params = _abstract(abstract, p_sh)
-  state = _abstract(state_axes(cfg, spec)[0], s_sh)
-  store = None if store_spec is None else _abstract(store_spec.shapes(cfg), shardings["store"])
+  state = _abstract(state_axes(cfg, spec)[0], shardings["state"])
+  store = None if config.store is None else _abstract(config.store.shapes(cfg), shardings["store"])
   reports = []
-  for name, fn, args, tokens in program_args(programs, abstract_params, state, store, mesh, cfg, spec, chunk,
-                                             spec_cfg.k if spec_cfg else 0):
+  for name, fn, args, tokens in program_args(config, programs, abstract_params, state, store):
     if only is not None and not only(name):
       continue
-    if largest_prefill_only and name.startswith("prefill") and tokens != chunk:
+    if largest_prefill_only and name.startswith("prefill") and tokens != config.chunk:
       continue
     report = _compile(name, fn, args, tokens)
     if store is not None and report.compiled and not any(a is store for a in args):
@@ -273,33 +266,38 @@ def _abstract(shapes, shardings):
   return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
 
 
-def program_args(programs: Programs, params, state, store, mesh, cfg: ModelConfig, spec: CacheSpec, chunk: int,
-                 k: int):
-  """(name, jitted program, abstract arguments, tokens one run computes) for every program
-  `Engine.warmup()` builds, in its order and with its shapes. mesh None: unsharded programs."""
+def program_args(config: EngineConfig, programs: Programs, params, state, store):
+  """(name, jitted program, abstract arguments, tokens one run computes) for every program of
+  `config.programs` (what `Engine.warmup()` builds), in its order and with its shapes."""
+  mesh = config.mesh
   rep = None if mesh is None else NamedSharding(mesh, P())
   arr = lambda dtype, *shape: jax.ShapeDtypeStruct(shape, dtype, sharding=rep)  # noqa: E731
   i32, flag = functools.partial(arr, jnp.int32), arr(jnp.bool_)
   row = jax.tree.map(lambda a: arr(a.dtype, 1, *a.shape[1:]), state.sampler.params)
-  data = 1 if mesh is None else mesh.shape.get("data", 1)
-  row_buckets = powers_of_two(spec.slots) if data == 1 else (spec.slots,)
-  for fresh in (True, False):
-    for b in prompt_buckets(chunk):
+  k = 0 if config.speculative is None else config.speculative.k
+  save_blocks, restore_blocks = config.save_blocks, config.restore_blocks
+  for name, *shape in config.programs:
+    if name == "prefill":
+      fresh, b = shape
       yield (f"prefill_{'fresh' if fresh else 'more'}_{b}", programs.prefill_program(fresh),
              (params, state, i32(1, b), i32(1), i32(1), row, flag), b)
-  for r in row_buckets:
-    yield f"decode_{r}", programs.decode, (params, state, arr(jnp.bool_, r), flag), r
-  yield "fork", programs.fork, (state, i32(), i32(), row, i32()), 0
-  yield "move", programs.move, (state, i32(), i32()), 0
-  yield "logits_16", programs.logits, (params, i32(1, 16)), 16
-  if programs.verify is not None:
-    for r in row_buckets:
+    elif name == "decode":
+      r = shape[0]
+      yield f"decode_{r}", programs.decode, (params, state, arr(jnp.bool_, r), flag), r
+    elif name == "fork":
+      yield "fork", programs.fork, (state, i32(), i32(), row, i32()), 0
+    elif name == "move":
+      yield "move", programs.move, (state, i32(), i32()), 0
+    elif name == "logits":
+      yield f"logits_{shape[0]}", programs.logits, (params, i32(1, shape[0])), shape[0]
+    elif name == "verify":
+      r = shape[0]
       yield f"verify_{r}", programs.verify, (params, state, arr(jnp.bool_, r), i32(r, k), i32(r), flag), r * (k + 1)
-  if store is not None:
-    save_blocks, restore_blocks = max(chunk // BLOCK, 1), -(-spec.max_len // BLOCK)
-    yield "prefix_save", programs.save, (state, store, i32(), i32(), i32(save_blocks)), 0
-    yield "prefix_restore", programs.restore, (state, store, i32(), i32(restore_blocks), i32(),
-                                               i32(restore_blocks * BLOCK)), 0
+    elif name == "save":
+      yield "prefix_save", programs.save, (state, store, i32(), i32(), i32(save_blocks)), 0
+    elif name == "restore":
+      yield "prefix_restore", programs.restore, (state, store, i32(), i32(restore_blocks), i32(),
+                                                 i32(restore_blocks * BLOCK)), 0
 
 
 def _compile(name: str, fn, args, tokens: int) -> ProgramReport:

@@ -44,7 +44,7 @@ def main() -> None:
 
   def swap(tree):
     llm.update_weights(tree)
-    jax.block_until_ready(llm.engine.params)
+    jax.block_until_ready(llm.engine.runner.params)
 
   out = llm.generate("The sea is", SamplingParams(max_tokens=33, temperature=0, ignore_eos=True), use_tqdm=False)[0]
   rows = dict(weights_bytes=nbytes, decode_step_s=out.metrics.tpot_s,

@@ -94,7 +94,7 @@ def move(cache: KVCache, src, dst) -> KVCache:
 
 
 class Drafter:
-  """A draft model's cache and programs, driven by the engine (`Engine._draft_proposals`)."""
+  """A draft model's cache and programs, driven by the runner (`Runner._draft`)."""
 
   def __init__(self, model: Transformer, spec: CacheSpec, platform: Platform, k: int, prompt_buckets, row_buckets,
                mesh: jax.sharding.Mesh | None = None):
@@ -120,11 +120,6 @@ class Drafter:
     self._propose = jax.jit(part(propose, self.graphdef, k=k, platform=platform), donate_argnums=(1,), **kw["propose"])
     self._move = jax.jit(move, donate_argnums=(0,), **kw["move"])
 
-  @property
-  def num_programs(self) -> int:
-    """catch-up per prompt bucket, propose per row bucket, move."""
-    return len(self.prompt_buckets) + len(self.row_buckets) + 1
-
   def catch_up(self, slot: int, history: np.ndarray, held: int, upto: int) -> int:
     """Writes positions held..upto-1 of `history` into the row; returns upto."""
     chunk = self.prompt_buckets[-1]
@@ -144,10 +139,16 @@ class Drafter:
   def move(self, src: int, dst: int) -> None:
     self.cache = self._move(self.cache, np.int32(src), np.int32(dst))
 
-  def warmup(self) -> None:
+  def warm(self, program: str, *shape) -> None:
+    """Runs one of its programs (`EngineConfig.programs`: draft_catch_up, draft_propose,
+    draft_move) once with throwaway inputs on row 0."""
     one = np.ones(1, np.int32)
-    for b in self.prompt_buckets:
-      self.cache = self._catch_up(self.params, self.cache, np.zeros((1, b), np.int32), 0 * one, one, 0 * one)
-    for rows in self.row_buckets:
+    if program == "draft_catch_up":
+      self.cache = self._catch_up(self.params, self.cache, np.zeros((1, shape[0]), np.int32), 0 * one, one, 0 * one)
+    elif program == "draft_propose":
+      rows = shape[0]
       self.propose(np.zeros(rows, np.bool_), np.zeros((rows, 2), np.int32), np.zeros(rows, np.int32))
-    self.move(0, 0)
+    elif program == "draft_move":
+      self.move(0, 0)
+    else:
+      raise ValueError(f"the draft model has no program {program!r}")

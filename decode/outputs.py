@@ -6,9 +6,49 @@ seconds, time per output token and inter-token latencies. Compile time is never 
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import html
+import itertools
 from typing import Any
+
+
+class Prefix(collections.abc.Sequence):
+  """The first `n` items of a list that only ever grows: a snapshot that costs nothing to take.
+
+  The engine hands out outputs of running requests this way, so a server streaming a long answer
+  never copies what it already holds. It compares equal to a list or tuple with the same items;
+  slicing returns a list.
+  """
+
+  __slots__ = ("_items", "_n")
+
+  def __init__(self, items: list, n: int | None = None):
+    self._items, self._n = items, len(items) if n is None else n
+
+  def __len__(self) -> int:
+    return self._n
+
+  def __getitem__(self, i):
+    if isinstance(i, slice):
+      return self._items[slice(*i.indices(self._n))]
+    j = i + self._n if i < 0 else i
+    if not 0 <= j < self._n:
+      raise IndexError(f"index {i} is out of range for {self._n} items")
+    return self._items[j]
+
+  def __iter__(self):
+    return itertools.islice(self._items, self._n)
+
+  def __eq__(self, other) -> bool:
+    if not isinstance(other, (list, tuple, Prefix)):
+      return NotImplemented
+    return len(other) == self._n and all(a == b for a, b in zip(self, other))
+
+  __hash__ = None
+
+  def __repr__(self) -> str:
+    return repr(self[:])
 
 
 @dataclasses.dataclass

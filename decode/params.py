@@ -11,6 +11,7 @@ import math
 from typing import Iterable, Sequence
 
 import numpy as np
+from jaxgen.decode.requests import OUTPUT_KINDS
 from jaxgen.decode.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_IDS, RowParams
 
 FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
@@ -29,6 +30,9 @@ class SamplingParams:
   include_stop_str_in_output); stop_token_ids: ids that end it (EOS too unless ignore_eos).
   min_tokens: stop ids and EOS are banned until this many tokens were generated.
   logprobs: top-N log-probabilities to return per generated token (plus the chosen one's).
+  output_kind (vLLM's RequestOutputKind): what each output of a running request holds:
+  "cumulative" everything so far, "delta" only what is new since the last one, "final_only" no
+  output until the request finishes.
   """
 
   n: int = 1
@@ -49,6 +53,7 @@ class SamplingParams:
   include_stop_str_in_output: bool = False
   skip_special_tokens: bool = True
   logprobs: int | None = None
+  output_kind: str = "cumulative"
 
   def __post_init__(self):
     if isinstance(self.stop, str):
@@ -97,6 +102,8 @@ class SamplingParams:
       bad("stop_token_ids", self.stop_token_ids, f"at most {MAX_STOP_IDS - 2} ids")
     if any(not s for s in self.stop):
       bad("stop", self.stop, "stop strings must be non-empty")
+    if self.output_kind not in OUTPUT_KINDS:
+      bad("output_kind", self.output_kind, f"must be one of {', '.join(OUTPUT_KINDS)}")
     if self.seed is not None and not 0 <= self.seed < 2**64:
       bad("seed", self.seed, "must be in [0, 2**64)")
     if vocab_size is not None:

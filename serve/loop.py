@@ -50,7 +50,7 @@ class EngineLoop:
     if max_queue < 0:
       raise ValueError(f"max_queue={max_queue} must be >= 0")
     self.engine, self.warmup, self.on_finish = engine, warmup, on_finish
-    self.capacity = len(engine.slots) + max_queue
+    self.capacity = engine.config.max_batch + max_queue
     self.ready = threading.Event()
     self.snapshot: dict = engine.metrics()  # the engine's metrics after the latest step
     self.compiles_at_ready: int | None = None

@@ -34,7 +34,7 @@ def test_the_platform_is_the_tpus(tpu_bf16):
   p = tpu_bf16.platform
   assert p.backend == "tpu" and p.emulated and p.activation_dtype is None and p.cache_dtype == "bfloat16"
   assert p.matmul == "xla" and p.attention == "xla" and p.cache_align == 16
-  assert tpu_bf16.engine.spec.layer_len(tpu_bf16.cfg, "global") % 16 == 15  # + the scratch entry: a multiple of 16
+  assert tpu_bf16.engine.config.cache.layer_len(tpu_bf16.cfg, "global") % 16 == 15  # + the scratch entry: a multiple of 16
 
 
 def test_bf16_activations_and_cache_stay_close_to_the_reference(tpu_bf16, golden):

@@ -31,7 +31,7 @@ def shared_engine(slots: int, impl: str = "default") -> Engine:
 
 def fresh_counts(eng: Engine) -> Engine:
   eng.stats.clear()
-  eng.decode_buckets.clear()
+  eng.stats.decode_rows.clear()
   return eng
 
 
@@ -67,9 +67,9 @@ def test_seeded_requests_are_batch_invariant(impl):
   reqs = eight_requests()
   eng = fresh_counts(shared_engine(4, impl))
   alone = {i: run(eng, [r])[0].token_ids for i, r in enumerate(reqs)}
-  assert set(eng.decode_buckets) == {1} and eng.stats["moves"] == 0
+  assert set(eng.stats.decode_rows) == {1} and eng.stats.moves == 0
   together = {i: o.token_ids for i, o in run(eng, reqs).items()}
-  assert {1, 2, 4} <= set(eng.decode_buckets) and eng.stats["moves"] > 0
+  assert {1, 2, 4} <= set(eng.stats.decode_rows) and eng.stats.moves > 0
   order = list(range(8))
   random.Random(1).shuffle(order)
   shuffled = {order[j]: o.token_ids for j, o in run(eng, [reqs[i] for i in order]).items()}
@@ -88,11 +88,11 @@ def test_a_lone_request_decodes_over_one_row_and_keeps_its_logprobs():
   prompt = list(range(3, 20))
   params = SamplingParams(max_tokens=10, temperature=0.0, logprobs=2, ignore_eos=True)
   alone = run(eng, [(prompt, params)])[0].outputs[0]
-  assert set(eng.decode_buckets) == {1}
+  assert set(eng.stats.decode_rows) == {1}
   others = [(list(range(5, 5 + i)), SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)) for i in range(1, 8)]
-  eng.decode_buckets.clear()
+  eng.stats.decode_rows.clear()
   together = run(eng, others + [(prompt, params)])[7].outputs[0]
-  assert set(eng.decode_buckets) == {8}
+  assert set(eng.stats.decode_rows) == {8}
   assert together.token_ids == alone.token_ids
   for a, b in zip(alone.logprobs, together.logprobs):  # XLA's matmuls may round differently per row count
     assert a.keys() == b.keys()
@@ -118,9 +118,9 @@ def test_freed_slots_are_reused_before_the_longest_request_ends():
 def test_n_samples_share_one_prefill():
   eng = fresh_counts(shared_engine(4))
   prompt = list(range(3, 23))  # one prefill chunk
-  before = eng.stats["prefill_calls"]
+  before = eng.stats.prefill_calls
   out = run(eng, [(prompt, SamplingParams(n=3, max_tokens=12, temperature=1.0, seed=5, ignore_eos=True))])[0]
-  assert eng.stats["prefill_calls"] - before == 1
+  assert eng.stats.prefill_calls - before == 1
   assert len(out.outputs) == 3 and [o.index for o in out.outputs] == [0, 1, 2]
   assert len({tuple(o.token_ids) for o in out.outputs}) == 3
   greedy = run(eng, [(prompt, SamplingParams(n=2, max_tokens=12, temperature=0.0, ignore_eos=True))])[0]
@@ -146,7 +146,7 @@ def test_abort_reports_what_was_produced_and_frees_the_slot():
   # reported, and it is what the request would have produced alone.
   assert outs[rid].finish_reason == "abort" and 1 <= len(got) <= 6 and got == solo.token_ids[:len(got)]
   assert outs[other].finish_reason == "length" and len(outs[other].token_ids) == 3
-  assert all(s is None for s in eng.slots)
+  assert all(s is None for s in eng.scheduler.slots)
 
 
 def test_abort_storm_leaves_the_survivors_exact():
@@ -184,7 +184,7 @@ def test_abort_storm_leaves_the_survivors_exact():
   assert outs[in_prefill].finish_reason == "abort" and outs[in_prefill].outputs[0].token_ids == []
   assert outs[waiting].finish_reason == "abort"
   assert [c.finish_reason for c in outs[forked].outputs] == ["abort", "abort"]
-  assert all(s is None for s in eng.slots) and not eng.waiting
+  assert all(s is None for s in eng.scheduler.slots) and not eng.scheduler.waiting
   assert run(eng, [survivors[1]])[0].token_ids == solo[1]
 
 
@@ -202,7 +202,7 @@ def test_a_stream_left_early_aborts_its_request():
   assert len(final) == 1 and final[0].finished and final[0].finish_reason == "abort"
   got = final[0].outputs[0].token_ids
   assert 3 <= len(got) < 30 and got == solo[:len(got)]
-  assert all(s is None for s in eng.slots) and not eng.has_unfinished()
+  assert all(s is None for s in eng.scheduler.slots) and not eng.has_unfinished()
   assert run(eng, [request])[0].token_ids == solo
 
 
@@ -234,7 +234,7 @@ def test_metrics_snapshot():
   m = eng.metrics()
   assert m["running"] == 0 and m["waiting"] == 0 and m["slots"] == 2
   # What the device holds for the cache, counted from the arrays themselves.
-  held = sum(x.nbytes for x in jax.tree.leaves(eng.state.cache.layers))
+  held = sum(x.nbytes for x in jax.tree.leaves(eng.runner.state.cache.layers))
   assert m["kv_cache_bytes_allocated"] == held > 0
   assert m["prefill_tokens"] > 0 and m["decode_tokens"] > 0
   assert m["prefill_tok_s"] > 0 and m["decode_tok_s"] > 0
@@ -276,7 +276,7 @@ def test_warmup_compiles_a_number_of_programs_that_grows_with_log2_of_max_batch(
     jax.clear_caches()  # fork and move are jitted module functions whose caches engines share
     eng = make_engine(slots=slots, max_len=64, chunk=32)
     eng.warmup()
-    p = eng.programs
+    p = eng.runner.programs
     jitted = [*p._prefill.values(), p.decode, p.fork, p.move, p.logits]
     counted[slots] = sum(f._cache_size() for f in jitted)
     assert counted[slots] == eng.num_programs
@@ -290,10 +290,10 @@ def test_the_decode_program_built_ahead_is_the_one_the_first_decode_step_runs():
   want = run(make_engine(slots=2, max_len=64, chunk=32), [([5, 6, 7, 8], params)])[0].outputs[0].token_ids
   eng = make_engine(slots=2, max_len=64, chunk=32)
   eng.build_decode_ahead()
-  assert eng._ahead is not None
+  assert eng.runner.ahead is not None
   rid = eng.add_request([5, 6, 7, 8], params)
   assert [len(o.outputs[0].token_ids) for o in eng.step()] == [1]
-  eng._await_ahead()  # as the first decode step does (no persistent cache here: nothing waited so far)
+  eng.runner.await_ahead()  # as the first decode step does (no persistent cache here: nothing waited so far)
   before = compiles.count()
   outs = eng.step()
   assert compiles.count() == before, "the first decode step built its program again"
@@ -310,16 +310,16 @@ def test_the_first_prefill_waits_for_a_load_ahead_but_not_for_a_compilation(monk
   monkeypatch.setattr(compiles, "persistent_cache_on", lambda: True)
   for lookup, waits in (("cache_hits", True), ("cache_misses", False)):
     release = threading.Event()
-    eng._ahead = threading.Thread(target=release.wait, args=(30,))
-    eng._ahead.start()
+    eng.runner.ahead = threading.Thread(target=release.wait, args=(30,))
+    eng.runner.ahead.start()
     monkeypatch.setattr(compiles, "cache_lookup", lambda thread, lookup=lookup: lookup)
     threading.Timer(0.3, release.set).start()
     t0 = time.perf_counter()
-    eng._await_ahead(unless_compiling=True)
+    eng.runner.await_ahead(unless_compiling=True)
     assert (time.perf_counter() - t0 >= 0.25) == waits, lookup
-    assert (eng._ahead is None) == waits
-    eng._await_ahead()  # what the first decode step does
-    assert eng._ahead is None
+    assert (eng.runner.ahead is None) == waits
+    eng.runner.await_ahead()  # what the first decode step does
+    assert eng.runner.ahead is None
 
 
 def test_every_program_build_hands_the_freed_heap_back(monkeypatch):
@@ -339,10 +339,10 @@ def test_first_tokens_go_out_before_the_first_decode_program_is_built():
   eng.add_request([5, 6, 7, 8], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
   outs = eng.step()
   assert [len(o.outputs[0].token_ids) for o in outs] == [1]
-  assert eng.programs.decode._cache_size() == 0, "the first step built a decode program"
+  assert eng.runner.programs.decode._cache_size() == 0, "the first step built a decode program"
   before = compiles.count()
   outs = eng.step()
-  assert compiles.count() > before and eng.programs.decode._cache_size() == 1
+  assert compiles.count() > before and eng.runner.programs.decode._cache_size() == 1
   while eng.has_unfinished():
     outs = eng.step() or outs
   assert [len(o.outputs[0].token_ids) for o in outs] == [3] and outs[0].finished

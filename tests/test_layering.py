@@ -38,7 +38,9 @@ def violations(root: pathlib.Path) -> list[str]:
     rel = file.relative_to(root)
     mine = ORDER.index(rel.parts[0]) if len(rel.parts) > 1 and rel.parts[0] in ORDER else ROOT_RANK
     tree = ast.parse(file.read_text(), str(rel))
-    top_level = {id(n) for n in tree.body}
+    # Module level: the body, and `if TYPE_CHECKING:` blocks (imports for annotations, never run).
+    typing_only = [n for n in tree.body if isinstance(n, ast.If) and ast.unparse(n.test) == "TYPE_CHECKING"]
+    top_level = {id(n) for n in tree.body} | {id(n) for block in typing_only for n in block.body}
     for node in ast.walk(tree):
       if isinstance(node, ast.ImportFrom) and node.module:
         names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]

@@ -20,9 +20,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxgen import plan, targets
-from jaxgen.decode import prefix
 from jaxgen.decode.cache import CacheSpec
-from jaxgen.decode.engine import program_count, prompt_chunk
+from jaxgen.decode.config import EngineConfig, program_count
 from jaxgen.decode.steps import Programs, state_axes
 from jaxgen.model import pallas_kernels
 from jaxgen.model import params as model_params
@@ -225,14 +224,15 @@ def test_every_program_of_an_engine_exports_for_cuda():
   cfg = tiny_config(sliding_window=32)
   platform = resolve("bfloat16", backend="gpu", device_kind="NVIDIA H100 80GB HBM3")
   assert platform.attention == "xla" and platform.cache_align == 16
-  spec = CacheSpec(slots=4, max_len=256, dtype=platform.cache_dtype, align=platform.cache_align, slack=2)
+  config = EngineConfig.resolve(cfg, "bfloat16", max_batch=4, max_len=256, platform=platform,
+                                speculative_config="ngram:2", prefix_cache_tokens=64)
+  spec, chunk = config.cache, config.chunk
+  assert spec.slack == 2 and config.store is not None
   graphdef, abstract = nnx.split(model_params.abstract_model(cfg, jnp.bfloat16))
   programs = Programs(graphdef, cfg, spec, platform)
-  store = prefix.spec_for(cfg, spec.dtype, 64)
   state = state_axes(cfg, spec)[0]
-  chunk = prompt_chunk(cfg, spec, platform.prefill_chunk, True)[0]
   exported = []
-  for name, fn, args, _ in plan.program_args(programs, abstract, state, store.shapes(cfg), None, cfg, spec, chunk, 2):
+  for name, fn, args, _ in plan.program_args(config, programs, abstract, state, config.store.shapes(cfg)):
     exp = jax.export.export(fn, platforms=["cuda"])(*args)
     assert exp.platforms == ("cuda",) and exp.mlir_module_serialized, name
     exported.append(name)

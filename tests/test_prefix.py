@@ -192,33 +192,33 @@ def test_metrics_count_hits_tokens_and_evictions():
   assert m["prefix_cache_blocks_used"] <= 7
   run(eng, [ids(rng, 100) for _ in range(2)], SamplingParams(max_tokens=2, ignore_eos=True))
   assert eng.metrics()["prefix_cache_evictions"] > 0
-  eng.index.check()
+  eng.scheduler.index.check()
 
 
 def test_budget_and_model_limits_are_explained_not_ignored():
   with pytest.raises(ValueError, match=r"prefix_cache_tokens=-1 must be >= 0"):
     engine(prefix_cache_tokens=-1)
   tiny_budget = engine(prefix_cache_tokens=BLOCK)
-  assert tiny_budget.index is None and "buys no block" in tiny_budget.prefix_note
+  assert tiny_budget.scheduler.index is None and "buys no block" in tiny_budget.config.prefix_note
   short_window = engine(cfg=tiny_config(sliding_window=8))
-  assert short_window.index is None and "shorter than a block" in short_window.metrics()["prefix_cache_note"]
+  assert short_window.scheduler.index is None and "shorter than a block" in short_window.metrics()["prefix_cache_note"]
   assert engine(on=False).metrics()["prefix_cache"] is False
   # The chunk fits the smallest ring, on a block boundary.
-  assert engine(chunk=100).chunk == WINDOW and engine(on=False, chunk=100).chunk == 100
+  assert engine(chunk=100).config.chunk == WINDOW and engine(on=False, chunk=100).config.chunk == 100
 
 
 def test_store_allocation_is_what_the_budget_and_plan_say():
   eng = engine(prefix_cache_tokens=1000)
-  allocated = sum(a.nbytes for a in jax.tree.leaves(eng.store))
-  assert allocated == eng.store_spec.total_bytes(MODEL.cfg) == eng.metrics()["prefix_cache_bytes"]
-  assert eng.store_spec.blocks == 1000 // BLOCK
+  allocated = sum(a.nbytes for a in jax.tree.leaves(eng.runner.store))
+  assert allocated == eng.config.store.total_bytes(MODEL.cfg) == eng.metrics()["prefix_cache_bytes"]
+  assert eng.config.store.blocks == 1000 // BLOCK
   assert allocated <= 1000 * prefix.bytes_per_block(MODEL.cfg, "float32") / BLOCK
   # Every layer, ring layers too, keeps every block: a cached token costs a global layer's bytes.
   per_token = 2 * MODEL.cfg.num_layers * MODEL.cfg.num_kv_heads * MODEL.cfg.head_dim * 4
   assert prefix.bytes_per_block(MODEL.cfg, "float32") == BLOCK * per_token
   # The default when the device does not report its memory: as many bytes as the KV cache.
   eng = engine()
-  assert abs(eng.store_spec.total_bytes(MODEL.cfg) - eng.spec.total_bytes(MODEL.cfg)) <= \
+  assert abs(eng.config.store.total_bytes(MODEL.cfg) - eng.config.cache.total_bytes(MODEL.cfg)) <= \
       prefix.bytes_per_block(MODEL.cfg, "float32")
 
 
@@ -226,7 +226,7 @@ def test_warmup_compiles_save_and_restore_too():
   jax.clear_caches()
   eng = engine(slots=2, max_len=128, chunk=32)
   eng.warmup()
-  p = eng.programs
+  p = eng.runner.programs
   jitted = [*p._prefill.values(), p.decode, p.fork, p.move, p.logits, p.save, p.restore]
   assert sum(f._cache_size() for f in jitted) == eng.num_programs
 
@@ -278,9 +278,9 @@ def test_randomized_shared_prefixes_with_evictions_and_aborts_equal_the_uncached
     assert_same(out, cold[rid])
     compared += 1
   assert compared > 150
-  assert all(s is None for s in hot_eng.slots) and not hot_eng.requests
-  hot_eng.index.check()
-  assert len(hot_eng.index) <= 12
+  assert all(s is None for s in hot_eng.scheduler.slots) and not hot_eng.requests
+  hot_eng.scheduler.index.check()
+  assert len(hot_eng.scheduler.index) <= 12
 
 
 # ------------------------------------------------------------------------------ embedded model

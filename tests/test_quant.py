@@ -171,7 +171,7 @@ def test_int8_weights_and_cache_engine_is_batch_invariant_and_compiles_nothing_a
   rings included, and no program compiles after warm-up."""
   _, qmodel, _ = quantized_pair()
   eng = Engine(qmodel, ToyTokenizer(300), max_batch=4, max_len=128, prefill_chunk=32, seed=0, cache_dtype="int8")
-  assert eng.state.cache.layers[0].k.dtype == jnp.int8
+  assert eng.runner.state.cache.layers[0].k.dtype == jnp.int8
   eng.warmup()
   before = compiles.count()
   probe = ([5, 9, 200] * 25, SamplingParams(n=2, max_tokens=8, temperature=1.0, top_k=20, seed=11))  # 75 tokens
@@ -227,8 +227,8 @@ def test_convert_quantize_writes_a_checkpoint_that_restores_quantized(tmp_path, 
 
 def test_device_bytes_of_int8_weights(qwen3_int8):
   floats = LLM(str(HF / "qwen3"), max_len=64, max_batch=1, seed=0)
-  q = sum(x.nbytes for x in jax.tree.leaves(qwen3_int8.engine.params))
-  f = sum(x.nbytes for x in jax.tree.leaves(floats.engine.params))
+  q = sum(x.nbytes for x in jax.tree.leaves(qwen3_int8.engine.runner.params))
+  f = sum(x.nbytes for x in jax.tree.leaves(floats.engine.runner.params))
   assert q <= 0.3 * f
 
 

@@ -111,7 +111,7 @@ def settled(server, timeout: float = 30.0) -> None:
     time.sleep(0.05)
   assert server.loop.unfinished == 0
   time.sleep(0.2)  # the loop's last step
-  assert all(s is None for s in server.loop.engine.slots)
+  assert all(s is None for s in server.loop.engine.scheduler.slots)
 
 
 # ------------------------------------------------------------------------------------ the client

@@ -264,7 +264,7 @@ def _layout(llm, kv_replicated: bool):
     n += 1
     if got != spec or any(s.data.shape != shard for s in arr.addressable_shards):
       bad.append(f"{name}: spec {got} shard {arr.addressable_shards[0].data.shape}, expected {spec} {shard}")
-  state = llm.engine.state
+  state = llm.engine.runner.state
   kv_axis = None if kv_replicated else "model"
   for i, layer in enumerate(state.cache.layers):
     for arr in (layer.k, layer.v) + ((layer.k_scale, layer.v_scale) if layer.quantized else ()):
@@ -291,8 +291,8 @@ def _decode_hlo(llm) -> str:
   import numpy as np
 
   eng = llm.engine
-  active = np.zeros(len(eng.slots), np.bool_)
-  return eng.programs.decode.lower(eng.params, eng.state, active, np.bool_(False)).compile().as_text()
+  active = np.zeros(len(eng.scheduler.slots), np.bool_)
+  return eng.runner.programs.decode.lower(eng.runner.params, eng.runner.state, active, np.bool_(False)).compile().as_text()
 
 
 def _weight_sizes(cfg) -> dict[str, int]:
@@ -341,8 +341,8 @@ def worker_tiny() -> dict:
         "layout_mismatches": bad, "checked_arrays": n,
         "weight_gathers": weight_gathers(hlo, sizes),
         "plan": {"weights": plan.weights, "kv_cache": plan.kv_cache, "sampler": plan.sampler},
-        "allocated": {"weights": _device0_bytes(llm.engine.params), "kv_cache": _device0_bytes(llm.engine.state.cache),
-                      "sampler": _device0_bytes(llm.engine.state.sampler)},
+        "allocated": {"weights": _device0_bytes(llm.engine.runner.params), "kv_cache": _device0_bytes(llm.engine.runner.state.cache),
+                      "sampler": _device0_bytes(llm.engine.runner.state.sampler)},
         "plan_text": str(plan),
     }
 
@@ -358,17 +358,17 @@ def worker_tiny() -> dict:
       "logits_max_abs_diff": float(np.max(np.abs(llm_q.logits(SCORED) - ref_q.logits(SCORED)))),
       "float_logits_max_abs_diff": float(np.max(np.abs(ref_q.logits(SCORED) - ref_logits))),
       "layout_mismatches": bad, "checked_arrays": n,
-      "plan_weights": llm_q.plan.weights, "allocated_weights": _device0_bytes(llm_q.engine.params),
+      "plan_weights": llm_q.plan.weights, "allocated_weights": _device0_bytes(llm_q.engine.runner.params),
       "float_weights": result["meshes"]["2x4"]["allocated"]["weights"],
-      "plan_kv": llm_q.plan.kv_cache, "allocated_kv": _device0_bytes(llm_q.engine.state.cache),
+      "plan_kv": llm_q.plan.kv_cache, "allocated_kv": _device0_bytes(llm_q.engine.runner.state.cache),
       "float_kv": result["meshes"]["2x4"]["allocated"]["kv_cache"],
-      "cache_dtype": str(llm_q.engine.state.cache.layers[0].k.dtype), "sampled": _sampled(llm_q),
+      "cache_dtype": str(llm_q.engine.runner.state.cache.layers[0].k.dtype), "sampled": _sampled(llm_q),
       "reference_sampled": _sampled(ref_q),
   }
 
   # The detector, on a program that gathers the vocabulary-split embedding on purpose.
   llm = llms[2, 4]
-  params = llm.engine.params
+  params = llm.engine.runner.params
   replicate = jax.sharding.NamedSharding(llm.mesh, jax.sharding.PartitionSpec())
   gathered = jax.jit(lambda p: jax.lax.with_sharding_constraint(p["embed"][...], replicate) * 2)
   result["control_weight_gathers"] = weight_gathers(gathered.lower(params).compile().as_text(), sizes)
@@ -382,9 +382,9 @@ def worker_tiny() -> dict:
       "unknown_axis_parse": lambda: MeshConfig.parse("data=2,tensor=4"),
       "unknown_axis_kw": lambda: MeshConfig.from_sizes(data=2, expert=4),
       "heads_do_not_divide": lambda: LLM(None, mesh=MeshConfig(data=2, model=4), **kw),
-      "mlp_do_not_divide": lambda: memory_plan(_tiny_cfg(mlp=100), jnp.float32, llm.engine.spec, MeshConfig(data=1)),
+      "mlp_do_not_divide": lambda: memory_plan(_tiny_cfg(mlp=100), jnp.float32, llm.engine.config.cache, MeshConfig(data=1)),
       "slots_do_not_divide": lambda: memory_plan(cfg, jnp.float32, CacheSpec(6, 64), MeshConfig(data=4)),
-      "does_not_fit": lambda: memory_plan(cfg, jnp.float32, llm.engine.spec, MeshConfig(data=2),
+      "does_not_fit": lambda: memory_plan(cfg, jnp.float32, llm.engine.config.cache, MeshConfig(data=2),
                                            capacity=1 << 16).check(),
   }
   for key, attempt in attempts.items():
@@ -403,7 +403,7 @@ def worker_tiny() -> dict:
   llm = LLM(None, mesh=MeshConfig(data=2, model=4), **kw)
   result["mqa"] = {
       "kv_spec": list(_spec(llm.model.layers[0].kv[...])), "q_spec": list(_spec(llm.model.layers[0].q[...])),
-      "cache_spec": list(_spec(llm.engine.state.cache.layers[0].k)),
+      "cache_spec": list(_spec(llm.engine.runner.state.cache.layers[0].k)),
       "logits_max_abs_diff": float(np.max(np.abs(llm.logits(SCORED) - ref.logits(SCORED)))),
   }
 
@@ -424,9 +424,9 @@ def worker_tiny() -> dict:
     cached.append(on.engine.metrics()["prefix_cache_hit_tokens"])
   result["prefix"] = {
       "tokens_off": _greedy(off, prompts)[0], "tokens_on": tokens_on, "hit_tokens": cached,
-      "store_spec": list(_spec(on.engine.store[0].k)), "cache_spec": list(_spec(on.engine.state.cache.layers[0].k)),
-      "plan_store": on.plan.prefix_store, "allocated_store": _device0_bytes(on.engine.store),
-      "budget_bytes": 20 * on.engine.store_spec.total_bytes(on.cfg) // on.engine.store_spec.blocks,
+      "store_spec": list(_spec(on.engine.runner.store[0].k)), "cache_spec": list(_spec(on.engine.runner.state.cache.layers[0].k)),
+      "plan_store": on.plan.prefix_store, "allocated_store": _device0_bytes(on.engine.runner.store),
+      "budget_bytes": 20 * on.engine.config.store.total_bytes(on.cfg) // on.engine.config.store.blocks,
   }
 
   # Speculative decoding on a mesh: n-gram and a draft (the model's first 2 layers) give plain
@@ -443,15 +443,15 @@ def worker_tiny() -> dict:
       "draft": _greedy(drafted, repeat, 24)[0],
       "ngram_drafted": ngram.engine.metrics()["spec_draft_tokens"],
       "draft_accepted": drafted.engine.metrics()["spec_accepted_tokens"],
-      "draft_cache_spec": list(_spec(drafted.engine.drafter.cache.layers[0].k)),
-      "draft_weight_spec": list(_spec(drafted.engine.drafter.params["layers"][0]["q"][...])),
+      "draft_cache_spec": list(_spec(drafted.engine.runner.drafter.cache.layers[0].k)),
+      "draft_weight_spec": list(_spec(drafted.engine.runner.drafter.params["layers"][0]["q"][...])),
       "target_weight_spec": list(_spec(drafted.model.layers[0].q[...])),
       # Per device: the draft's cache, planned and allocated (its weights are the target's arrays).
       "plan_draft": drafted.plan.draft, "plan_draft_ngram": ngram.plan.draft, "plan_text": str(drafted.plan),
       "allocated_draft": sum(x.addressable_shards[0].data.nbytes
-                             for x in jax.tree.leaves(drafted.engine.drafter.cache)),
+                             for x in jax.tree.leaves(drafted.engine.runner.drafter.cache)),
       "plan_kv": drafted.plan.kv_cache,  # rings k entries longer under speculation
-      "allocated_kv": sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(drafted.engine.state.cache)),
+      "allocated_kv": sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(drafted.engine.runner.state.cache)),
   }
   return result
 
@@ -489,7 +489,7 @@ def worker_embedded() -> dict:
       if out.finished:
         done[out.request_id] = out.outputs[0].token_ids
   padded = np.asarray([ids + [0] * (16 - len(ids) % 16)], np.int32)
-  ref_logits = np.asarray(eng.programs.logits(eng.params, padded))[0, :len(ids)]
+  ref_logits = np.asarray(eng.runner.programs.logits(eng.runner.params, padded))[0, :len(ids)]
   return {
       "tokens": tokens, "reference_tokens": [done[r] for r in rids],
       "logits_max_abs_diff": float(np.max(np.abs(logits - ref_logits))),

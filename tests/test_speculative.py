@@ -145,7 +145,7 @@ def test_nothing_compiles_after_warmup_and_verify_is_counted(method):
   jax.clear_caches()  # fork, move, save and restore are module functions whose jit caches engines share
   eng = engine(slots=4) if method == "ngram" else engine(DRAFT, slots=4, draft_model=first_layers(MODEL, 3))
   eng.warmup()
-  p, d = eng.programs, eng.drafter
+  p, d = eng.runner.programs, eng.runner.drafter
   jitted = [*p._prefill.values(), p.decode, p.verify, p.fork, p.move, p.logits, p.save, p.restore]
   jitted += [d._catch_up, d._propose, d._move] if d else []
   assert sum(f._cache_size() for f in jitted) == eng.num_programs
@@ -187,7 +187,7 @@ def test_the_sampled_distribution_is_the_targets(top_p):
     pairs.setdefault(tuple(o.token_ids[:2]), []).append(o.token_ids[2])
   (t0, t1), third = max(pairs.items(), key=lambda kv: len(kv[1]))
   assert len(third) > 300
-  logits = np.asarray(eng.programs.logits(eng.params, np.array([prompt + [t0, t1] + [0] * 32], np.int32)))
+  logits = np.asarray(eng.runner.programs.logits(eng.runner.params, np.array([prompt + [t0, t1] + [0] * 32], np.int32)))
   x = logits[0, len(prompt) + 1] / TEMP
   probs = np.exp(x - x.max())
   probs /= probs.sum()

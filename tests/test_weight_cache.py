@@ -107,12 +107,12 @@ import json
 from jaxgen import LLM, SamplingParams
 from jaxgen.decode import compiles, steps
 llm = LLM({str(GGUF)!r}, max_len=64, max_batch=2, compilation_cache_dir={str(tmp_path / "xla")!r})
-ahead = llm.engine._ahead is not None
+ahead = llm.engine.runner.ahead is not None
 waited = []
 prefill = steps.Programs.prefill
 
 def watched(self, *args, **kwargs):
-  waited.append(llm.engine._ahead is None)
+  waited.append(llm.engine.runner.ahead is None)
   return prefill(self, *args, **kwargs)
 
 steps.Programs.prefill = watched

@@ -100,7 +100,7 @@ def test_requests_in_flight_are_aborted_and_the_prefix_cache_emptied(tiny_llm):
   for _ in range(3):
     eng.step()
   tiny_llm.update_weights(scale(tiny_llm.weights(), 1.0))
-  assert not eng.has_unfinished() and rid not in eng.requests and all(s is None for s in eng.slots)
+  assert not eng.has_unfinished() and rid not in eng.requests and all(s is None for s in eng.scheduler.slots)
   out = tiny_llm.generate(prompt, SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)[0]
   assert out.num_cached_tokens == 0  # the store was emptied: nothing is reused across weights
 
