@@ -116,6 +116,13 @@ class EngineConfig:
     return max(self.chunk // BLOCK, 1)
 
   @property
+  def reads_first(self) -> bool:
+    """Whether a step must read the sampled tokens back before it schedules: speculation makes its
+    proposals from the latest tokens. (A feature that needs them, such as a grammar's token mask,
+    says so here.) Otherwise a step dispatches before it reads the previous one's results."""
+    return self.speculative is not None
+
+  @property
   def programs(self) -> tuple[tuple, ...]:
     return program_list(self.max_batch, self.chunk, self.data_parallel, self.store is not None,
                         self.speculative is not None, self.draft_platform is not None)

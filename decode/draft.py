@@ -28,7 +28,7 @@ from flax import nnx
 from jaxgen.checkpoints import source
 from jaxgen.decode.buckets import bucket
 from jaxgen.decode.cache import CacheSpec, KVCache, allocate
-from jaxgen.model import kv
+from jaxgen.model.batch import BatchMeta
 from jaxgen.model.platform import Platform
 from jaxgen.model.transformer import Transformer, first_layers
 from jaxgen.sharding import rules
@@ -62,7 +62,7 @@ def catch_up(graphdef, params, cache: KVCache, tokens, start, counts, slots, *, 
   model = nnx.merge(graphdef, params)
   t = tokens.shape[1]
   positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-  _, layers = model(tokens, positions, platform, cache.layers, kv.Rows(start, counts, slots))
+  _, layers = model(tokens, positions, platform, cache.layers, BatchMeta(start, counts, slots))
   return KVCache(layers, cache.lengths.at[slots].set(start + counts))
 
 
@@ -73,13 +73,13 @@ def propose(graphdef, params, cache: KVCache, active, window, start, *, k: int, 
   r = active.shape[0]
   fed = active.astype(jnp.int32)
   positions = start[:, None] + jnp.arange(2, dtype=jnp.int32)[None, :]
-  hidden, layers = model(window, positions, platform, cache.layers, kv.Rows(start, 2 * fed))
+  hidden, layers = model(window, positions, platform, cache.layers, BatchMeta(start, 2 * fed))
   first = jnp.argmax(model.logits(hidden[:, 1], platform), axis=-1).astype(jnp.int32)
 
   def step(i, carry):
     layers, tokens = carry
     lengths = start + 1 + i  # held before this step: the window, then i - 1 proposals
-    hidden, layers = model(tokens[:, i - 1, None], lengths[:, None], platform, layers, kv.Rows(lengths, fed))
+    hidden, layers = model(tokens[:, i - 1, None], lengths[:, None], platform, layers, BatchMeta(lengths, fed))
     nxt = jnp.argmax(model.logits(hidden[:, 0], platform), axis=-1).astype(jnp.int32)
     return layers, tokens.at[:, i].set(nxt)
 

@@ -1,4 +1,4 @@
-"""The continuous-batching engine: a short loop over four rooms.
+"""The continuous-batching engine: a short loop over three rooms.
 
     add_request ──> Scheduler ──SchedulerOutput──> Runner ──RunnerOutput──> OutputProcessor ──> RequestOutput
                    (slots, queue,                 (weights, cache,          (text, stops,
@@ -111,10 +111,10 @@ class Engine:
   def step(self) -> list[RequestOutput]:
     """Dispatches this step's programs, then reads back the previous step's results."""
     updated = {}
-    if self.config.speculative is not None:  # proposals are made from the latest tokens
+    if self.config.reads_first:
       self._read(len(self._in_flight), updated)
     work = self.scheduler.schedule()
-    first_build = (self.config.speculative is None and work.decode is not None and work.prefills > 0
+    first_build = (not self.config.reads_first and work.decode is not None and work.prefills > 0
                    and work.decode.rows not in self.runner.built)
     flights = self.runner.execute(work, self.stats, decode=not first_build)
     self._in_flight.extend(flights)

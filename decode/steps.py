@@ -33,7 +33,7 @@ from flax import nnx
 from jaxgen.decode import prefix
 from jaxgen.decode.cache import CacheSpec, KVCache, allocate, full_capacity
 from jaxgen.decode.sampling import RowParams, SamplerState, idle_rows, sample
-from jaxgen.model import kv
+from jaxgen.model.batch import BatchMeta
 from jaxgen.model.config import ModelConfig
 from jaxgen.model.platform import Platform
 from jaxgen.sharding import planner, rules
@@ -87,7 +87,7 @@ def prefill_logits(model, cache: KVCache, tokens, counts, slots, *, fresh: bool,
   p, t = tokens.shape
   start = jnp.zeros((p,), jnp.int32) if fresh else cache.lengths[slots]
   positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-  rows = kv.Rows(start, counts, slots, fresh)
+  rows = BatchMeta(start, counts, slots, fresh)
   hidden, layers = model(tokens, positions, platform, cache.layers, rows)
   last = jnp.take_along_axis(hidden, (counts - 1)[:, None, None], axis=1)[:, 0]  # [P, D]
   return model.logits(last, platform), KVCache(layers, cache.lengths.at[slots].set(start + counts))
@@ -100,7 +100,7 @@ def decode_logits(model, cache: KVCache, tokens, active, *, limit: int | None, p
   lengths = cache.lengths[:r]
   count = active if limit is None else active & (lengths < limit)
   count = count.astype(jnp.int32)
-  hidden, layers = model(tokens[:, None], lengths[:, None], platform, cache.layers, kv.Rows(lengths, count))
+  hidden, layers = model(tokens[:, None], lengths[:, None], platform, cache.layers, BatchMeta(lengths, count))
   new_lengths = jax.lax.dynamic_update_slice(cache.lengths, lengths + count, (0,))
   return model.logits(hidden[:, 0], platform), KVCache(layers, new_lengths), count
 
@@ -163,7 +163,7 @@ def verify_step(graphdef, params, state: DecodeState, active, proposals, counts,
   if limit is not None:
     n = jnp.minimum(n, jnp.maximum(limit - lengths, 0))
   positions = lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-  hidden, layers = model(fed, positions, platform, cache.layers, kv.Rows(lengths, n))
+  hidden, layers = model(fed, positions, platform, cache.layers, BatchMeta(lengths, n))
   logits = model.logits(hidden, platform).reshape(r * t, -1)  # [R * T, V]
   took = n > 0
   # The fed token counts as output before the first draw, as in a decode step.

@@ -7,7 +7,7 @@
   softmaxed in one piece; each block is read whole. What TPU and GPU run.
 - "xla_chunked": XLA:CPU's formulation. A block that carries a `limit` (a cache) is folded into a
   running softmax a few keys at a time up to that limit, so a mostly empty cache costs what its
-  filled part does; chunk sizes and the operand order of the score matmul were measured on XLA:CPU.
+  filled part does; its chunk sizes and score-matmul operand order suit XLA:CPU (docs/performance.md).
 - "cpu": jaxgen's own kernel (`cpu_kernels.cache_attention`) folds limited float32 blocks in where
   they lie; every other block takes the "xla_chunked" path.
 - "pallas": a Pallas kernel (`pallas_kernels.cache_attention`) folds each row's cache up to that
@@ -115,9 +115,9 @@ def attention_xla(q, blocks, q_pos, window, softcap, platform=None):
 def cpu_chunk(rows: int, queries: int) -> int:
   """Keys per step when XLA:CPU reads a limited block. rows: batch x kv heads; queries: per row.
 
-  Measured on XLA:CPU: a decode step over many rows is fastest in 64-key steps (batch 16: 0.8 ms
-  per layer, 2.4 ms in 256-key steps), one over a few rows in 128-key steps; a prompt chunk's many
-  queries make each step a real matmul, which larger steps feed better.
+  A decode step over many rows streams best in short steps (each step's scores stay in cache),
+  one over a few rows in longer ones (fewer loop trips); a prompt chunk's many queries make each
+  step a real matmul, which larger steps feed better. The figures are in docs/performance.md.
   """
   if queries > 1:
     return 256

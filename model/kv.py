@@ -16,20 +16,20 @@ vector moved 4% of the embedded model's greedy choices on the golden prompts; bl
 of 16, 1%.) Entries are written once and never rescaled, so a ring overwrites an entry's values
 and scales together.
 
-A layer call covers B rows (`Rows`): row b is cache row `index[b]` (or b), held `start[b]` tokens
+A layer call covers B rows (`batch.BatchMeta`): row b is cache row `index[b]` (or b), held `start[b]` tokens
 before the call and takes the first `count[b]` of the T new ones (positions start[b] + t). The
 positions of all held entries follow from `start`, so nothing else is stored.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 from jaxgen.model import quant
 from jaxgen.model.attention import KVBlock
+from jaxgen.model.batch import BatchMeta
 
 SCRATCH = 1  # extra entry per layer that takes writes meant for nowhere
 AXES = ("cache_batch", "kv_heads", "cache_seq", "head_dim")  # logical axes of k and v
@@ -46,15 +46,6 @@ class LayerCache:
   @property
   def quantized(self) -> bool:
     return self.k_scale is not None
-
-
-class Rows(NamedTuple):
-  """Which cache rows a layer call reads and extends, and how far."""
-
-  start: jax.Array  # [B] int32: tokens each row held before this call
-  count: jax.Array  # [B] int32: new tokens each row takes (the rest of T is padding)
-  index: jax.Array | None = None  # [B] int32: the cache row of each batch row; None: rows 0..B-1
-  fresh: bool = False  # static: the rows start empty (a first prompt chunk reads nothing back)
 
 
 def capacity(layer: LayerCache) -> int:
@@ -74,7 +65,7 @@ def entry_positions(lengths: jax.Array, size: int, ring: bool) -> jax.Array:
   return jnp.where((p >= 0) & (p < n), p, -1)
 
 
-def held(layer: LayerCache, rows: Rows, ring: bool) -> KVBlock:
+def held(layer: LayerCache, rows: BatchMeta, ring: bool) -> KVBlock:
   """What the rows held before this call, as an attention block read where it lies.
 
   Only the filled part is visible: no entry at or past the longest length of a row that takes
@@ -88,7 +79,7 @@ def held(layer: LayerCache, rows: Rows, ring: bool) -> KVBlock:
                  size if ring else None)
 
 
-def write(layer: LayerCache, k: jax.Array, v: jax.Array, rows: Rows, after: jax.Array) -> LayerCache:
+def write(layer: LayerCache, k: jax.Array, v: jax.Array, rows: BatchMeta, after: jax.Array) -> LayerCache:
   """The layer with the rows' new entries written. k, v: [B, T, K, H] as the model computes them.
 
   Position p goes to entry p % S_l. Only the last S_l of a row's new tokens are written (earlier

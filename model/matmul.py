@@ -43,8 +43,8 @@ def project(x: jax.Array, w: jax.Array, scale: jax.Array | None, platform) -> ja
 
 def int8_kernel_takes(x: jax.Array, w: jax.Array, scale: jax.Array) -> bool:
   """Whether `cpu_kernels.int8_matmul` serves this product: float32 activations and blocks of 32.
-  Any row count: prompt chunks too, where dequantizing the weight for XLA's matmul cost more than
-  the kernel's extra conversions (measured at 128 and 1,024 tokens)."""
+  Any row count: prompt chunks too, where dequantizing the weight for XLA's matmul costs more than
+  the kernel's extra conversions (docs/performance.md)."""
   return x.dtype == jnp.float32 and scale.ndim == 2 and scale.shape[1] * quant.GROUP == w.shape[1]
 
 

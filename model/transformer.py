@@ -7,7 +7,7 @@ declarations (`params.abstract_model` gives the abstract tree).
 Projection weights are stored [out, in] (as in PyTorch and GGUF). Functions return what they
 change: a block takes its layer cache and returns `(x, new layer cache)`, the model
 `(hidden, new caches)`. The `Platform` says which implementation serves each kernel op. The model
-knows nothing of requests, slots or meshes: which cache rows a call covers is a `kv.Rows`.
+knows nothing of requests, slots or meshes: which cache rows a call covers is a `BatchMeta`.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from flax import nnx
 from jaxgen.model import kv, quant
 from jaxgen.model import layers as L
 from jaxgen.model.attention import KVBlock, attention
+from jaxgen.model.batch import BatchMeta
 from jaxgen.model.config import LOCAL, ModelConfig
 from jaxgen.model.matmul import project
 from jaxgen.model.platform import REFERENCE, Platform
@@ -115,7 +116,7 @@ class Block(nnx.Module):
     return q, L.rope(k, positions, **rope), v
 
   def __call__(self, x: jax.Array, positions: jax.Array, platform: Platform = REFERENCE,
-               cache: kv.LayerCache | None = None, rows: kv.Rows | None = None):
+               cache: kv.LayerCache | None = None, rows: BatchMeta | None = None):
     """x: [B, T, D]; positions: [B, T]. Returns (x [B, T, D], the new layer cache or None).
 
     Without a cache the T tokens attend among themselves (causal). With one, they also attend to
@@ -169,7 +170,7 @@ class Transformer(nnx.Module):
     return x
 
   def __call__(self, tokens: jax.Array, positions: jax.Array, platform: Platform = REFERENCE,
-               cache: tuple[kv.LayerCache, ...] | None = None, rows: kv.Rows | None = None):
+               cache: tuple[kv.LayerCache, ...] | None = None, rows: BatchMeta | None = None):
     """tokens, positions: [B, T] -> (hidden [B, T, D] after the final norm, new layer caches or None)."""
     x = self.embed_tokens(tokens, platform.compute_dtype(self.dtype))
     new = []

@@ -8,8 +8,6 @@ submitted and aborts what was cancelled, so the engine is only ever touched from
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import logging
 import queue
 import threading
@@ -23,7 +21,7 @@ from jaxgen.decode.params import SamplingParams
 
 log = logging.getLogger("jaxgen.serve")
 
-# sink(prompt index, snapshot of its latest RequestOutput or None, error or None); runs on the loop thread
+# sink(prompt index, its latest RequestOutput or None, error or None); runs on the loop thread
 Sink = Callable[[int, RequestOutput | None, BaseException | None], None]
 
 
@@ -198,7 +196,7 @@ class EngineLoop:
       self._release(1)
       if self.on_finish is not None:
         self.on_finish(out)
-    sink(i, snapshot(out), None)
+    sink(i, out, None)  # a snapshot already: the engine never changes an output it handed out
 
   def _fail_all(self, error: BaseException) -> None:
     for rid, (sink, i) in list(self._sinks.items()):
@@ -232,10 +230,3 @@ class EngineLoop:
   def _release(self, n: int) -> None:
     with self._lock:
       self._accepted -= n
-
-
-def snapshot(out: RequestOutput) -> RequestOutput:
-  """A copy another thread may read while the engine goes on appending to the original."""
-  outs = [dataclasses.replace(c, token_ids=list(c.token_ids), logprobs=None if c.logprobs is None else list(c.logprobs))
-          for c in out.outputs]
-  return dataclasses.replace(out, outputs=outs, metrics=copy.copy(out.metrics))

@@ -18,6 +18,7 @@ from flax import nnx
 from jaxgen.decode import cache as kvc
 from jaxgen.decode import steps
 from jaxgen.model import kv, quant
+from jaxgen.model.batch import BatchMeta
 from jaxgen.model.config import LOCAL
 from jaxgen.model.platform import REFERENCE
 
@@ -132,7 +133,7 @@ def test_attention_reads_only_up_to_the_longest_row_taking_tokens():
   a finished slot that keeps a long length does not make every later step read its entries."""
   cfg = tiny_config()
   cache = kvc.allocate(cfg, kvc.CacheSpec(3, 64))
-  rows = kv.Rows(jnp.array([5, 40, 12], jnp.int32), jnp.array([1, 0, 1], jnp.int32))  # row 1: stale
+  rows = BatchMeta(jnp.array([5, 40, 12], jnp.int32), jnp.array([1, 0, 1], jnp.int32))  # row 1: stale
   for i, kind in enumerate(cfg.layer_kinds):
     block = kv.held(cache.layers[i], rows, kind == LOCAL)
     want = min(12, kv.capacity(cache.layers[i]))
@@ -212,7 +213,7 @@ def test_the_copy_detector_sees_a_copied_cache():
 def test_a_row_with_a_non_finite_attention_output_spoils_only_its_own_cache_entries():
   cfg = tiny_config()
   cache = kvc.allocate(cfg, kvc.CacheSpec(2, 16))
-  rows = kv.Rows(jnp.array([3, 5], jnp.int32), jnp.ones(2, jnp.int32))
+  rows = BatchMeta(jnp.array([3, 5], jnp.int32), jnp.ones(2, jnp.int32))
   k = jnp.ones((2, 1, cfg.num_kv_heads, cfg.head_dim))
   after = jnp.zeros((2, 1, cfg.num_heads, cfg.head_dim)).at[0].set(jnp.nan)
   written = kv.write(cache.layers[0], k, k, rows, after)
@@ -249,9 +250,9 @@ def test_int8_entries_read_back_within_half_a_step_in_their_ring_slots():
   rng = np.random.default_rng(4)
   k = jnp.asarray(rng.normal(size=(1, 11, cfg.num_kv_heads, cfg.head_dim)) * 3, jnp.float32)
   v = jnp.asarray(rng.normal(size=(1, 11, cfg.num_kv_heads, cfg.head_dim)), jnp.float32)
-  rows = kv.Rows(jnp.array([0], jnp.int32), jnp.array([11], jnp.int32), jnp.array([1], jnp.int32))
+  rows = BatchMeta(jnp.array([0], jnp.int32), jnp.array([11], jnp.int32), jnp.array([1], jnp.int32))
   layer = kv.write(layer, k, v, rows, after=jnp.zeros((1, 11, 4, 16)))
-  block = kv.held(layer, kv.Rows(jnp.array([11], jnp.int32), jnp.array([1], jnp.int32), jnp.array([1], jnp.int32)),
+  block = kv.held(layer, BatchMeta(jnp.array([11], jnp.int32), jnp.array([1], jnp.int32), jnp.array([1], jnp.int32)),
                   ring=True)
   got_k = np.asarray(quant.dequantize(block.k[1], block.k_scale[1], jnp.float32))  # [K, 9, H]
   pos = np.asarray(block.pos[0])

@@ -277,7 +277,7 @@ def test_warmup_compiles_a_number_of_programs_that_grows_with_log2_of_max_batch(
     eng = make_engine(slots=slots, max_len=64, chunk=32)
     eng.warmup()
     p = eng.runner.programs
-    jitted = [*p._prefill.values(), p.decode, p.fork, p.move, p.logits]
+    jitted = [p.prefill_program(True), p.prefill_program(False), p.decode, p.fork, p.move, p.logits]
     counted[slots] = sum(f._cache_size() for f in jitted)
     assert counted[slots] == eng.num_programs
   assert counted[8] - counted[2] == 2
