@@ -41,7 +41,7 @@ from jaxgen.decode.buckets import bucket
 from jaxgen.decode.engine import Engine
 from jaxgen.decode.params import SamplingParams
 from jaxgen.model import kv
-from jaxgen.model.attention import cpu_chunk
+from jaxgen.model.kernels.attention import cpu_chunk
 from jaxgen.model.config import LOCAL
 
 

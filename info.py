@@ -17,7 +17,7 @@ import jaxlib
 from jaxgen.decode.config import program_count
 from jaxgen.llm import DEFAULT_COMPILATION_CACHE
 from jaxgen.model import platform as platforms
-from jaxgen.model.matmul import INT8_IMPLS
+from jaxgen.model.kernels.matmul import INT8_REASONS
 
 
 def gather(dtype: str = "float32", max_batch: int = 8) -> dict:
@@ -29,7 +29,7 @@ def gather(dtype: str = "float32", max_batch: int = 8) -> dict:
       flax=flax.__version__, python=host.python_version(), machine=host.machine(),
       backend=p.backend, devices=[str(d) for d in jax.devices()], device_kind=p.device_kind,
       dtype=dtype, kernels=p.kernels, reasons=dict(p.reasons),
-      int8_matmul=dict(impl=q.matmul, reason=INT8_IMPLS[q.matmul]),
+      int8_matmul=dict(impl=q.matmul, reason=INT8_REASONS[q.matmul]),
       cpu_kernels=None if p.cpu_kernels is None else dict(available=p.cpu_kernels.available,
                                                           reason=p.cpu_kernels.reason),
       activation_dtype=p.activation_dtype or dtype, cache_dtype=p.cache_dtype, prefill_chunk=p.prefill_chunk,

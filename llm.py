@@ -22,7 +22,8 @@ from jaxgen.decode.engine import Engine
 from jaxgen.decode.outputs import RequestOutput
 from jaxgen.decode.params import SamplingParams, token_ids
 from jaxgen.decode.steps import memory_plan
-from jaxgen.model import cpu_kernels, quant
+from jaxgen.model import quant
+from jaxgen.model.kernels import cpu_kernels
 from jaxgen.model import platform as platforms
 from jaxgen.model.config import ModelConfig
 from jaxgen.model.params import check_tree, flat_params

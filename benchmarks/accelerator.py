@@ -27,9 +27,9 @@ import jax.numpy as jnp
 import numpy as np
 from jaxgen import LLM, SamplingParams, bench
 from jaxgen.checkpoints.tokenizer import byte_tokenizer
-from jaxgen.model import attention as A
+from jaxgen.model.kernels import attention as A
 from jaxgen.model import platform as platforms
-from jaxgen.model.attention import KVBlock
+from jaxgen.model.kernels.attention import KVBlock
 from jaxgen.model.config import ModelConfig, layer_pattern
 from jaxgen.model.kv import entry_positions
 from jaxgen.model.params import param_specs

@@ -28,7 +28,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 from jaxgen.model import quant
-from jaxgen.model.attention import KVBlock
+from jaxgen.model.kernels.attention import KVBlock
 from jaxgen.model.batch import BatchMeta
 
 SCRATCH = 1  # extra entry per layer that takes writes meant for nowhere

@@ -1,7 +1,7 @@
 """Pure building blocks of the decoder: norms, RoPE, activations and the attention mask.
 
 Everything here is a plain function of arrays; the modules in `transformer.py` hold the weights,
-`attention.py` and `matmul.py` the kernel ops. Statistics (norms, softmax) are computed in
+`kernels/attention/` and `kernels/matmul/` the kernel ops. Statistics (norms, softmax) are computed in
 float32 whatever the parameter dtype.
 """
 

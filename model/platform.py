@@ -20,7 +20,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
-from jaxgen.model import cpu_kernels
+from jaxgen.model.kernels import cpu_kernels
 
 DTYPES = ("float32", "bfloat16", "float16")
 CACHE_DTYPES = DTYPES + ("int8",)  # int8: with float32 scales per block of 16 (`model.kv`)

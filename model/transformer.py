@@ -21,10 +21,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxgen.model import kv, quant
 from jaxgen.model import layers as L
-from jaxgen.model.attention import KVBlock, attention
+from jaxgen.model.kernels.attention import KVBlock, attention
 from jaxgen.model.batch import BatchMeta
 from jaxgen.model.config import LOCAL, ModelConfig
-from jaxgen.model.matmul import project
+from jaxgen.model.kernels.matmul import project
 from jaxgen.model.platform import REFERENCE, Platform
 
 

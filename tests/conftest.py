@@ -27,7 +27,7 @@ import jaxlib
 import numpy as np
 import pytest
 from flax import nnx
-from jaxgen.model import cpu_kernels
+from jaxgen.model.kernels import cpu_kernels
 from jaxgen.model import platform as platforms
 from jaxgen.model.config import ModelConfig, layer_pattern
 from jaxgen.model.transformer import Transformer

@@ -149,7 +149,7 @@ def test_bench_counts_the_kv_entries_attention_reads(impl):
   loop, the scratch entry at most), just the filled entries (the CPU kernel), or every entry (the
   plain formulation); a step over fewer rows than slots reads only those rows."""
   from jaxgen.bench import kv_bytes_read
-  from jaxgen.model.attention import cpu_chunk
+  from jaxgen.model.kernels.attention import cpu_chunk
 
   cfg = tiny_config()  # window 8: ring layers hold 8 entries (+1 scratch), global ones max_len (+1)
   chunk = cpu_chunk(2 * cfg.num_kv_heads, 1)

@@ -1,4 +1,4 @@
-"""The CPU kernels (model/cpu_kernels.cc) against float64 numpy, where `matmul` and `attention` use
+"""The CPU kernels (model/kernels/cpu_kernels.cc) against float64 numpy, where `matmul` and `attention` use
 them, and the fallback when they cannot be built.
 
 Both operands are bf16, so every product is exact in float32; the kernel sums them in float32 in
@@ -17,10 +17,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jaxgen.model import cpu_kernels, quant
+from jaxgen.model import quant
+from jaxgen.model.kernels import cpu_kernels
 from jaxgen.model import platform as platforms
-from jaxgen.model.attention import KVBlock, attention, attention_xla_chunked
-from jaxgen.model.matmul import matmul, project
+from jaxgen.model.kernels.attention import KVBlock, attention, attention_xla_chunked
+from jaxgen.model.kernels.matmul import matmul, project
 
 RNG = np.random.default_rng(0)
 
@@ -112,7 +113,7 @@ def test_float32_weights_keep_xla():
 @needs_kernel
 @pytest.mark.slow  # a subprocess
 def test_switch_turns_the_kernel_off():
-  code = "from jaxgen.model import cpu_kernels; print(cpu_kernels.status())"
+  code = "from jaxgen.model.kernels import cpu_kernels; print(cpu_kernels.status())"
   env = dict(os.environ, JAXGEN_CPU_KERNELS="0")
   out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
   assert "available=False" in out.stdout and "JAXGEN_CPU_KERNELS=0" in out.stdout

@@ -34,7 +34,7 @@ def violations(root: pathlib.Path) -> list[str]:
   """Every import of jaxgen that goes against the layer order or is not at module level."""
   found = []
   folders = ORDER + ROOT_FOLDERS
-  for file in sorted(root.glob("*.py")) + sorted(f for d in folders for f in (root / d).glob("*.py")):
+  for file in sorted(root.glob("*.py")) + sorted(f for d in folders for f in (root / d).rglob("*.py")):
     rel = file.relative_to(root)
     mine = ORDER.index(rel.parts[0]) if len(rel.parts) > 1 and rel.parts[0] in ORDER else ROOT_RANK
     tree = ast.parse(file.read_text(), str(rel))

@@ -5,9 +5,9 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jaxgen.model import cpu_kernels
+from jaxgen.model.kernels import cpu_kernels
 from jaxgen.model import layers as L
-from jaxgen.model.attention import IMPLS, KVBlock, attention, attention_xla_chunked
+from jaxgen.model.kernels.attention import IMPLS, KVBlock, attention, attention_xla_chunked
 from jaxgen.model.platform import REFERENCE
 
 RNG = np.random.default_rng(0)

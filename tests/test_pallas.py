@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jaxgen import LLM, SamplingParams
-from jaxgen.model import attention as A
+from jaxgen.model.kernels import attention as A
 from jaxgen.model import quant
-from jaxgen.model.attention import KVBlock
+from jaxgen.model.kernels.attention import KVBlock
 from jaxgen.model.kv import entry_positions
 
 TOL = 1e-5  # float32

@@ -23,9 +23,9 @@ from jaxgen import plan, targets
 from jaxgen.decode.cache import CacheSpec
 from jaxgen.decode.config import EngineConfig, program_count
 from jaxgen.decode.steps import Programs, state_axes
-from jaxgen.model import pallas_kernels
+from jaxgen.model.kernels.attention import pallas as pallas_kernels
 from jaxgen.model import params as model_params
-from jaxgen.model.attention import KVBlock, attention_pallas
+from jaxgen.model.kernels.attention import KVBlock, attention_pallas
 from jaxgen.model.config import GLOBAL, LOCAL
 from jaxgen.model.platform import Platform, resolve
 from jaxgen.sharding.mesh import MeshConfig

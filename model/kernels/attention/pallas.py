@@ -31,6 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+from jaxgen.model.kernels.attention.block import ungroup
+from jaxgen.model.kernels.attention.xla_cpu import unlimited_first
 from jaxgen.model.layers import NEG_INF
 
 BLOCK = 128  # cache entries per grid step: a multiple of every dtype's sublane tile (int8: 32)
@@ -154,3 +156,28 @@ def cache_attention(run, qg, k, v, q_pos, start, length, rows, *, ring: int | No
       interpret=interpret,
   )(rows.astype(jnp.int32), start.astype(jnp.int32), length.astype(jnp.int32), q_pos[..., None].astype(jnp.int32),
     qg, k, v, *scales, *run)
+
+
+def attention_pallas(q, blocks, q_pos, window, softcap, platform=None):
+  """Cache blocks through the Pallas kernel, each row read up to its own filled length
+  (`cache_attention`, positions computed from `start`); the other blocks as the
+  reference reads them. Interpret mode on CPU."""
+  b, t, n, h = q.shape
+  kh, scores, weighted, run, qg, q_rows = unlimited_first(q, blocks, q_pos, window, softcap)
+  # Pallas compiles only for TPU and GPU; the platform says which the program is for (a plan
+  # compiles for a TPU from a CPU process).
+  backend = jax.default_backend() if platform is None or platform.backend == "any" else platform.backend
+  interpret = backend not in ("tpu", "gpu", "cuda") or (platform is not None and platform.emulated)
+  for blk in blocks:
+    if blk.limit is None:
+      continue
+    if blk.start is None:
+      raise ValueError("attention_impl='pallas' reads cache blocks made by kv.held: their positions follow from "
+                       "each row's length (KVBlock.start), which this block does not carry")
+    size = blk.k.shape[2] if blk.ring is None else blk.ring
+    length = jnp.minimum(jnp.minimum(blk.start, size), blk.limit).astype(jnp.int32)  # [B] entries to read
+    rows = jnp.arange(b, dtype=jnp.int32) if blk.rows is None else blk.rows.astype(jnp.int32)
+    run = cache_attention(run, qg, blk.k, blk.v, q_rows, blk.start, length, rows, ring=blk.ring,
+                                         window=window, softcap=softcap, k_scale=blk.k_scale, v_scale=blk.v_scale,
+                                         interpret=interpret)
+  return ungroup(run[2] / run[1], q)
