@@ -41,7 +41,7 @@ from jaxgen.decode.buckets import bucket
 from jaxgen.decode.engine import Engine
 from jaxgen.decode.params import SamplingParams
 from jaxgen.model import kv
-from jaxgen.model.kernels.attention import cpu_chunk
+from jaxgen.model.kernels.attention import KVBlock, cpu_chunk, kernel_takes
 from jaxgen.model.config import LOCAL
 
 
@@ -146,7 +146,9 @@ def kv_bytes_read(cache, length: int, platform, rows: int | None = None) -> int:
     if platform.attention == "xla":
       entries = size
     else:
-      kernel = platform.attention == "cpu" and layer.k.dtype == jnp.float32 and h % 16 == 0
+      # The kernel's own rule, asked of a one-token query of the platform's activations.
+      q = jax.ShapeDtypeStruct((b, 1, kh, h), platform.compute_dtype(layer.k.dtype))
+      kernel = platform.attention == "cpu" and kernel_takes(q, KVBlock(layer.k, layer.v, None, limit=0))
       c = 1 if kernel else min(cpu_chunk(b * kh, 1), size)
       entries = min(-(-min(length, kv.capacity(layer)) // c) * c, size)
     held = layer.k.nbytes + layer.v.nbytes + (layer.k_scale.nbytes + layer.v_scale.nbytes if layer.quantized else 0)
