@@ -223,6 +223,9 @@ class LLM:
       params = [params or SamplingParams()] * len(prompts)
     elif len(params) != len(prompts):
       raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts; pass one or one per prompt")
+    # As vLLM's LLM.generate: only the final outputs are wanted, so none is built before (a
+    # "delta" request would otherwise end with its last piece only).
+    params = [dataclasses.replace(p, output_kind="final_only") for p in params]
     eng = self.engine
     ids = []
     try:
@@ -253,6 +256,7 @@ class LLM:
     params = params or SamplingParams()
     if params.n != 1:
       raise ValueError(f"SamplingParams.n={params.n}: stream() serves one sample; use generate() for n > 1")
+    params = dataclasses.replace(params, output_kind="cumulative")  # the stream takes the deltas itself
     return Stream(self.engine, self.engine.add_request(prompt, params))
 
   def chat(self, messages, params: SamplingParams | Sequence[SamplingParams] | None = None, *,

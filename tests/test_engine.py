@@ -128,6 +128,34 @@ def test_n_samples_share_one_prefill():
   assert greedy.outputs[0].token_ids == greedy.outputs[1].token_ids == single.token_ids
 
 
+@pytest.mark.parametrize("kind", ["delta", "final_only"])
+def test_output_kinds_carry_what_a_cumulative_request_does(kind):
+  """vLLM's output_kind: deltas join up to the cumulative answer, token for token, with their
+  logprobs; final_only says nothing until the end. A cumulative output handed out earlier never
+  changes later (it is a snapshot)."""
+  eng = shared_engine(4)
+  prompt = list(range(3, 20))
+  params = dict(max_tokens=10, temperature=1.0, seed=3, ignore_eos=True, logprobs=2)
+  rid = eng.add_request(prompt, SamplingParams(**params))
+  other = eng.add_request(prompt, SamplingParams(**params, output_kind=kind))
+  seen, pieces = [], []
+  while eng.has_unfinished():
+    for out in eng.step():
+      if out.request_id == rid:
+        seen.append((out, list(out.outputs[0].token_ids)))
+      else:
+        pieces.append(out)
+  whole = seen[-1][0].outputs[0]
+  assert all(list(o.outputs[0].token_ids) == ids for o, ids in seen)  # none changed after it was handed out
+  if kind == "final_only":
+    assert len(pieces) == 1 and pieces[0].finished and pieces[0].outputs[0].token_ids == whole.token_ids
+    return
+  assert len(pieces) > 2 and [t for p in pieces for t in p.outputs[0].token_ids] == whole.token_ids
+  assert "".join(p.outputs[0].text for p in pieces) == whole.text
+  assert [lp for p in pieces for lp in p.outputs[0].logprobs] == whole.logprobs
+  assert pieces[-1].finished and pieces[-1].outputs[0].finish_reason == "length"
+
+
 def test_abort_reports_what_was_produced_and_frees_the_slot():
   eng = fresh_counts(shared_engine(1))
   rid = eng.add_request(list(range(3, 20)), SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True))
