@@ -114,7 +114,7 @@ class Runner:
       elif isinstance(op, Save):
         self.store = self.programs.save(self.state, self.store, np.int32(op.slot), np.int32(op.first), op.table)
       elif isinstance(op, Fork):
-        self.state = self.programs.fork(self.state, np.int32(op.src), np.int32(op.sample.slot),
+        self.state = self.programs.fork(self.state, np.int32(op.src), np.int32(op.dst),
                                         _row_params(op.sample), np.int32(op.last_token))
       elif isinstance(op, Move):
         self.state = self.programs.move(self.state, np.int32(op.src), np.int32(op.dst))

@@ -19,7 +19,8 @@ Policy of one `schedule()`:
    runner), and a row whose proposals keep failing pauses proposing for a while.
 
 The result is a `SchedulerOutput`: device work in the order it must run (`ops`), then the decode
-step. The runner executes it; the scheduler never touches the device.
+step. The runner executes it; the scheduler never touches the device. Every op names its rows as
+they were when it was scheduled: a later op of the same step (a Move) may change where a sample is.
 """
 
 from __future__ import annotations
@@ -56,14 +57,11 @@ class Prefill:
   """One prompt chunk of `sample`'s request: positions start..start+n-1 into its row."""
 
   sample: Sample
+  slot: int  # the row when scheduled (a later Move of this step may take the sample elsewhere)
   start: int
   n: int
   tokens: np.ndarray  # i32 [1, prompt bucket]
   final: bool  # the prompt's last chunk: its first token is sampled
-
-  @property
-  def slot(self) -> int:
-    return self.sample.slot
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,9 +75,10 @@ class Save:
 
 @dataclasses.dataclass(frozen=True)
 class Fork:
-  """Copy row `src` (a prefilled prompt) into `sample`'s row, with that sample's sampler state."""
+  """Copy row `src` (a prefilled prompt) into row `dst`, with `sample`'s sampler state."""
 
   src: int
+  dst: int
   sample: Sample
   last_token: int
 
@@ -217,12 +216,12 @@ class Scheduler:
     tokens, n = chunk_tokens(req.prompt_ids, start, self.config.chunk, self.config.prompt_buckets)
     req.prefilled += n
     final = req.prefilled == len(req.prompt_ids)
-    ops.append(Prefill(first, start, n, tokens, final))
+    ops.append(Prefill(first, first.slot, start, n, tokens, final))
     if self.index is not None:
       floor = 0 if self.config.ring is None else req.prefilled - self.config.ring
       req.saved = self._save(first.slot, req.hashes, req.saved, req.prefilled // BLOCK, floor, ops)
     if final:
-      ops.extend(Fork(first.slot, s, req.prompt_ids[-1]) for s in req.samples[1:])
+      ops.extend(Fork(first.slot, s.slot, s, req.prompt_ids[-1]) for s in req.samples[1:])
     return n
 
   def _compact(self, ops: list[Op]) -> None:

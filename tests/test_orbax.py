@@ -247,16 +247,13 @@ def digests(params) -> dict[str, str]:
 
 def _worker(ckpt: str, tmp: str) -> dict:
   import jax
-  from flax import nnx
   from jaxgen import SamplingParams
   from jaxgen.checkpoints.orbax_io import restore, save
   from jaxgen.checkpoints.source import load
-  from jaxgen.decode.cache import CacheSpec
   from jaxgen.decode.engine import Engine
-  from jaxgen.decode.steps import state_shardings
   from jaxgen.model.params import flat_params
   from jaxgen.sharding.mesh import MeshConfig, as_mesh
-  from jaxgen.sharding.rules import param_shardings, param_tree
+  from jaxgen.sharding.rules import param_shardings
 
   def layout(model, mesh):
     want = param_shardings(model.cfg, "float32", mesh)
@@ -281,10 +278,7 @@ def _worker(ckpt: str, tmp: str) -> dict:
   out["specs"] = {name: [*params[name].sharding.spec] + [None] * (params[name].ndim - len(params[name].sharding.spec))
                   for name in named}
   out["digests"] = digests(flat_params(model))
-  spec = CacheSpec(slots=2, max_len=64)
-  engine = Engine(model, tok, max_batch=2, max_len=64,
-                  shardings={"params": param_tree(nnx.state(model), param_shardings(cfg, "float32", mesh)),
-                             "state": state_shardings(cfg, spec, mesh)})
+  engine = Engine(model, tok, max_batch=2, max_len=64, mesh=mesh)  # laid out by the rules table
   rid = engine.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS))
   while engine.has_unfinished():
     for o in engine.step():

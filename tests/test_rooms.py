@@ -53,7 +53,7 @@ class FakeRunner:
           if lo + BLOCK <= len(self.rows[op.slot]):
             self.store[b] = self.rows[op.slot][lo:lo + BLOCK]
       elif isinstance(op, Fork):
-        self.rows[op.sample.slot] = list(self.rows[op.src])
+        self.rows[op.dst] = list(self.rows[op.src])
       elif isinstance(op, Move):
         self.rows[op.dst], self.rows[op.src] = self.rows[op.src], []
     if work.decode is not None:
@@ -142,12 +142,27 @@ def test_compaction_moves_the_highest_rows_into_holes():
   assert runner.rows[0][:len(history)] == history  # the row went with its sample
 
 
+def test_a_chunk_scheduled_before_its_row_moves_lands_in_the_row_it_named():
+  """A prompt still prefilling in row 1 when row 0 frees: its next chunk is written into row 1,
+  then the row moves down with it (the ops name rows as they were when scheduled)."""
+  _, sched, proc, runner = rooms(slots=2, chunk=16, budget=16)
+  short = add(sched, proc, "short", 4, max_tokens=3)
+  step(sched, proc, runner)
+  long = add(sched, proc, "long", 64)
+  while not short.finished:
+    step(sched, proc, runner)
+  assert long.samples[0].slot == 1 and long.prefilled < 64
+  work = step(sched, proc, runner)
+  assert [type(op) for op in work.ops] == [Prefill, Move] and work.ops[0].slot == 1
+  assert long.samples[0].slot == 0 and runner.rows[0] == list(range(3, 3 + long.prefilled))
+
+
 def test_n_samples_share_one_prefill_then_fork():
   _, sched, proc, runner = rooms(slots=4)
   req = add(sched, proc, "n", 9, n=3)
   work = step(sched, proc, runner)
   assert [type(op) for op in work.ops] == [Prefill, Fork, Fork]
-  assert [op.sample.slot for op in work.ops if isinstance(op, Fork)] == [1, 2]
+  assert [op.dst for op in work.ops if isinstance(op, Fork)] == [1, 2]
   assert runner.rows[1] == runner.rows[2] == runner.rows[0]
   assert [s.slot for s in req.samples] == [0, 1, 2]
 
