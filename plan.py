@@ -35,7 +35,7 @@ from jax.sharding import PartitionSpec as P
 from jaxgen import targets
 from jaxgen.checkpoints import gguf, hf, source
 from jaxgen.decode import speculative
-from jaxgen.decode.config import EngineConfig
+from jaxgen.decode.config import EngineConfig, check_sizes
 from jaxgen.decode.prefix import BLOCK
 from jaxgen.decode.steps import Programs, memory_plan, state_axes, state_shardings, store_shardings
 from jaxgen.model import params as model_params
@@ -214,12 +214,7 @@ def plan(cfg: ModelConfig, target: str | targets.Target, *, model_name: str = ""
   A program's HBM counts the arrays resident beside its arguments (the prefix store).
   """
   tgt = targets.target(target) if isinstance(target, str) else target
-  if max_batch < 1:
-    raise ValueError(f"max_batch={max_batch} must be >= 1")
-  if max_len < 2:
-    raise ValueError(f"max_len={max_len} must be >= 2")
-  if max_len > cfg.max_context:
-    raise ValueError(f"max_len={max_len} exceeds the model's context length {cfg.max_context}")
+  check_sizes(cfg, max_batch, max_len)  # before any device is described
   devices = topology_devices(tgt)
   mesh = (mesh or MeshConfig(data=1, model=-1)).build(devices)
   if quantization is not None:

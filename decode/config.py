@@ -42,6 +42,16 @@ def prompt_buckets(chunk: int) -> tuple[int, ...]:
   return powers_of_two(chunk, min(MIN_PROMPT_BUCKET, chunk))
 
 
+def check_sizes(model: ModelConfig, max_batch: int, max_len: int) -> None:
+  """A ValueError naming the value and its limit for slots or rows no engine of `model` can have."""
+  if max_batch < 1:
+    raise ValueError(f"max_batch={max_batch} must be >= 1")
+  if max_len < 2:
+    raise ValueError(f"max_len={max_len} must be >= 2")
+  if max_len > model.max_context:
+    raise ValueError(f"max_len={max_len} exceeds the model's context length {model.max_context}")
+
+
 def program_list(max_batch: int, prefill_chunk: int, data_parallel: int = 1, prefix_caching: bool = False,
                  speculative: bool = False, draft: bool = False) -> tuple[tuple, ...]:
   """The programs an engine compiles in warm-up, as (name, *static shape): prefill fresh and
@@ -144,12 +154,7 @@ class EngineConfig:
     the draft model when speculative_config's method is draft_model. free_bytes: device memory
     the prefix store may take half of by default (None: asked of the device; on a mesh, give the
     memory plan's)."""
-    if max_len > model.max_context:
-      raise ValueError(f"max_len={max_len} exceeds the model's context length {model.max_context}")
-    if max_len < 2:
-      raise ValueError(f"max_len={max_len} must be >= 2")
-    if max_batch < 1:
-      raise ValueError(f"max_batch={max_batch} must be >= 1")
+    check_sizes(model, max_batch, max_len)
     if prefix_cache_tokens is not None and prefix_cache_tokens < 0:
       raise ValueError(f"prefix_cache_tokens={prefix_cache_tokens} must be >= 0")
     spec_cfg = speculative.parse(speculative_config)
