@@ -275,10 +275,14 @@ def program_args(config: EngineConfig, programs: Programs, params, state, store)
     if name == "prefill":
       fresh, b = shape
       yield (f"prefill_{'fresh' if fresh else 'more'}_{b}", programs.prefill_program(fresh),
-             (params, state, i32(1, b), i32(1), i32(1), row, flag), b)
+             (params, state, i32(1, b), i32(1), i32(1), row), b)
     elif name == "decode":
       r = shape[0]
-      yield f"decode_{r}", programs.decode, (params, state, arr(jnp.bool_, r), flag), r
+      yield f"decode_{r}", programs.decode, (params, state, arr(jnp.bool_, r)), r
+    elif name == "sample":
+      r = shape[0]
+      yield (f"sample_{r}", programs.sample,
+             (state, arr(jnp.float32, r, config.model.vocab_size), i32(r), arr(jnp.bool_, r), flag), 0)
     elif name == "fork":
       yield "fork", programs.fork, (state, i32(), i32(), row, i32()), 0
     elif name == "move":

@@ -55,14 +55,16 @@ def check_sizes(model: ModelConfig, max_batch: int, max_len: int) -> None:
 def program_list(max_batch: int, prefill_chunk: int, data_parallel: int = 1, prefix_caching: bool = False,
                  speculative: bool = False, draft: bool = False) -> tuple[tuple, ...]:
   """The programs an engine compiles in warm-up, as (name, *static shape): prefill fresh and
-  continued per prompt bucket, decode per row bucket, fork, move, the uncached forward of the
+  continued per prompt bucket, decode per row bucket, the sampler per row bucket and for the one
+  row of a prefill (`steps.sample_rows`), fork, move, the uncached forward of the
   smallest `LLM.logits` bucket, with prefix caching save and restore, with speculation verify per
   row bucket, with a draft model its catch-up per prompt bucket, propose per row bucket and move.
   Logarithmic in max_batch and the chunk."""
   prompts = prompt_buckets(prefill_chunk)
   rows = powers_of_two(max_batch) if data_parallel == 1 else (max_batch,)
   out = [("prefill", fresh, b) for fresh in (True, False) for b in prompts]
-  out += [("decode", r) for r in rows] + [("fork",), ("move",), ("logits", MIN_PROMPT_BUCKET)]
+  out += [("decode", r) for r in rows] + [("sample", r) for r in sorted({1, *rows})]
+  out += [("fork",), ("move",), ("logits", MIN_PROMPT_BUCKET)]
   out += [("verify", r) for r in rows] if speculative else []
   out += [("save",), ("restore",)] if prefix_caching else []
   if draft:

@@ -97,6 +97,11 @@ class Runner:
     if config.draft_platform is not None:
       self.drafter = draft.Drafter(draft_model, config.cache, config.draft_platform, config.speculative.k,
                                    config.prompt_buckets, config.row_buckets, mesh)
+    # The sampler's inputs as a decode step hands them over (committed, placed as program outputs
+    # are), also where a prefill's come from the host: one program per row count, not two.
+    out = self.state.cache.lengths.sharding if mesh is None else rules.replicated(mesh)
+    self._place = lambda x: jax.device_put(x, out)
+    self._take = {b: self._place(np.full(1, b)) for b in (True, False)}  # whether a prefill's row keeps its draw
     self.built: set[int] = set()  # row buckets whose decode (or verify) program has run
     self.ahead: threading.Thread | None = None  # `build_decode_ahead`'s build, until waited for
     self._last_ready = time.perf_counter()
@@ -126,7 +131,7 @@ class Runner:
 
   def _prefill(self, op: Prefill) -> InFlight:
     args = (self.params, self.state, op.tokens, np.array([op.n], np.int32), np.array([op.slot], np.int32),
-            _row_params(op.sample), np.bool_(op.sample.req.params.logprobs is not None))
+            _row_params(op.sample))
     t0 = time.perf_counter()
     if self.ahead is not None:  # the decode program loads: trace this one meanwhile, load it after
       lowered = self.programs.lower_prefill(*args, fresh=op.start == 0)
@@ -134,7 +139,11 @@ class Runner:
       lowered.compile()
     waited = time.perf_counter() - t0  # building programs: compile time to the metrics
     c0 = compiles.seconds()
-    self.state, out = self.programs.prefill(*args, fresh=op.start == 0)
+    self.state, logits = self.programs.prefill(*args, fresh=op.start == 0)
+    # Every chunk draws (its results are what `read` waits for); the last one's draw is the row's.
+    want = op.final and op.sample.req.params.logprobs is not None
+    self.state, out = self.programs.sample(self.state, logits, np.array([op.slot], np.int32), self._take[op.final],
+                                           np.bool_(want))
     return InFlight("prefill", out, [(0, op.sample)] if op.final else [], t0, waited + compiles.seconds() - c0, op.n)
 
   def _decode(self, d: Decode, stats: Stats) -> InFlight:
@@ -145,7 +154,8 @@ class Runner:
     c0 = compiles.seconds()  # a draft's work counts as decode time
     want = np.bool_(d.want_logprobs)
     if not d.verify:
-      self.state, out = self.programs.decode(self.params, self.state, d.active, want)
+      self.state, logits, took = self.programs.decode(self.params, self.state, d.active)
+      self.state, out = self.programs.sample(self.state, logits, np.arange(d.rows, dtype=np.int32), took, want)
       accepted = None
     else:
       proposals = d.proposals
@@ -187,14 +197,15 @@ class Runner:
   # ------------------------------------------------------------------------------ benchmarks
   def prefill_prompt(self, ids: np.ndarray, slot: int = 0):
     """Prefills prompt `ids` into row `slot` in the engine's chunks, outside any request (what a
-    benchmark of prefill times); returns the last chunk's sampled ids, on the device."""
+    benchmark of prefill times); returns the token sampled after it, on the device."""
     row = row_params(SamplingParams(max_tokens=1), prompt_len=len(ids), stop_ids=(), seed=0)
     start = 0
     while start < len(ids):
       tokens, n = chunk_tokens(ids, start, self.config.chunk, self.config.prompt_buckets)
-      self.state, out = self.programs.prefill(self.params, self.state, tokens, np.array([n], np.int32),
-                                              np.array([slot], np.int32), row, np.bool_(False), fresh=start == 0)
+      self.state, logits = self.programs.prefill(self.params, self.state, tokens, np.array([n], np.int32),
+                                                 np.array([slot], np.int32), row, fresh=start == 0)
       start += n
+    self.state, out = self.programs.sample(self.state, logits, np.array([slot], np.int32), self._take[True], np.bool_(False))
     return out.tokens
 
   def decode_rows(self, rows: int):
@@ -202,7 +213,8 @@ class Runner:
     benchmark of decode times); returns the sampled ids, on the device."""
     active = np.zeros(bucket(rows, self.config.row_buckets), np.bool_)
     active[:rows] = True
-    self.state, out = self.programs.decode(self.params, self.state, active, np.bool_(False))
+    self.state, logits, took = self.programs.decode(self.params, self.state, active)
+    self.state, out = self.programs.sample(self.state, logits, np.arange(len(active), dtype=np.int32), took, np.bool_(False))
     return out.tokens
 
   # -------------------------------------------------------------------------------- compiling
@@ -220,7 +232,7 @@ class Runner:
     if self.ahead is not None or jax.process_count() > 1:  # processes build in step, in order
       return
     rows = self.config.row_buckets[0]
-    lowered = self.programs.decode.lower(self.params, self.state, np.zeros(rows, np.bool_), np.bool_(False))
+    lowered = self.programs.decode.lower(self.params, self.state, np.zeros(rows, np.bool_))
 
     def build():
       try:
@@ -260,10 +272,14 @@ class Runner:
       if name == "prefill":
         fresh, b = shape
         self.state, _ = p.prefill(self.params, self.state, np.zeros((1, b), np.int32), np.array([1], np.int32),
-                                  np.array([0], np.int32), row, np.bool_(False), fresh=fresh)
+                                  np.array([0], np.int32), row, fresh=fresh)
       elif name == "decode":
-        self.state, _ = p.decode(self.params, self.state, np.zeros(shape[0], np.bool_), np.bool_(False))
+        self.state, *_ = p.decode(self.params, self.state, np.zeros(shape[0], np.bool_))
         self.built.add(shape[0])
+      elif name == "sample":
+        rows = shape[0]
+        self.state, _ = p.sample(self.state, self._place(np.zeros((rows, self.config.model.vocab_size), np.float32)),
+                                 np.arange(rows, dtype=np.int32), self._place(np.zeros(rows, np.bool_)), np.bool_(False))
       elif name == "verify":
         rows = shape[0]
         self.state, *_ = p.verify(self.params, self.state, np.zeros(rows, np.bool_), np.zeros((rows, k), np.int32),

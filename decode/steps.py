@@ -4,12 +4,15 @@ State = KV cache + sampler state (per-row parameters, next tokens, penalty count
 device for the whole run; the host passes only small arrays (prompt chunk, slot ids, active mask)
 and reads back only the sampled ids (and logprobs when asked).
 
-- `prefill(params, state, tokens [P, T], counts [P], slots [P], row_params, want_logprobs)`:
-  writes P prompt chunks (padded to the bucket T) into their slots, sets the slots' sampling
-  parameters and samples each row's next token. `fresh=True` (static) starts the slots empty;
+- `prefill(params, state, tokens [P, T], counts [P], slots [P], row_params)`: writes P prompt
+  chunks (padded to the bucket T) into their slots, sets the slots' sampling parameters and
+  returns the logits of each chunk's last token. `fresh=True` (static) starts the slots empty;
   `fresh=False` continues them (chunked prefill), attending to what they already hold.
-- `decode_step(params, state, active [R], want_logprobs)`: one token for every active row among
-  the lowest R slots (R a row bucket): a step costs what its rows cost, not what the slots do.
+- `decode_step(params, state, active [R])`: feeds every active row among the lowest R slots (R a
+  row bucket) its next token and returns their logits: a step costs what its rows cost, not what
+  the slots do.
+- `sample_rows(state, logits [R, V], rows [R], take [R], want_logprobs)`: draws each row's next
+  token (`decode.sampling`), one program per row count for prefill and decode alike.
 - `verify(params, state, active [R], proposals [R, k], counts [R], want_logprobs)`: speculative
   decoding's step: each active row is fed its next token and its first counts[r] proposals in one
   pass (T = k + 1), samples every position as a decode step would, keeps the longest run of
@@ -105,8 +108,10 @@ def decode_logits(model, cache: KVCache, tokens, active, *, limit: int | None, p
   return model.logits(hidden[:, 0], platform), KVCache(layers, new_lengths), count
 
 
-def prefill(graphdef, params, state: DecodeState, tokens, counts, slots, row_params: RowParams,
-            want_logprobs, *, fresh: bool, platform: Platform):
+def prefill(graphdef, params, state: DecodeState, tokens, counts, slots, row_params: RowParams, *, fresh: bool,
+            platform: Platform):
+  """Writes the chunks and sets the slots' sampling rows; returns (state, logits [P, V]) of each
+  chunk's last token, for `sample_rows` to draw from."""
   model = nnx.merge(graphdef, params)
   v = model.cfg.vocab_size
   p, t = tokens.shape
@@ -115,29 +120,39 @@ def prefill(graphdef, params, state: DecodeState, tokens, counts, slots, row_par
   valid = jnp.arange(t)[None, :] < counts[:, None]
   seen = jnp.zeros((p, v), jnp.bool_) if fresh else s.seen_prompt[slots]
   seen = seen.at[jnp.arange(p)[:, None], jnp.where(valid, tokens, v)].set(True, mode="drop")
-  out_counts = jnp.zeros((p, v), jnp.int32)
-  out = sample(logits, SamplerState(row_params, s.tokens[slots], seen, out_counts), cache.lengths[slots], want_logprobs)
-  sampler = SamplerState(
+  sampler = s.replace(
       params=_put_rows(s.params, slots, row_params),
-      tokens=s.tokens.at[slots].set(out.tokens),
       seen_prompt=s.seen_prompt.at[slots].set(seen),
-      out_counts=s.out_counts.at[slots].set(out_counts))
-  return DecodeState(cache, sampler), out
+      out_counts=s.out_counts.at[slots].set(jnp.zeros((p, v), jnp.int32)))
+  return DecodeState(cache, sampler), logits
 
 
-def decode_step(graphdef, params, state: DecodeState, active, want_logprobs, *, limit: int | None,
-                platform: Platform):
+def decode_step(graphdef, params, state: DecodeState, active, *, limit: int | None, platform: Platform):
+  """Feeds each active row among the lowest R its next token; returns (state, logits [R, V], taken
+  [R]: whether the row took it), for `sample_rows` to draw from."""
   model = nnx.merge(graphdef, params)
   s = state.sampler
   r = active.shape[0]
   tokens = s.tokens[:r]
-  lengths = state.cache.lengths[:r]
   logits, cache, count = decode_logits(model, state.cache, tokens, active, limit=limit, platform=platform)
   out_counts = s.out_counts.at[jnp.arange(r), tokens].add(count)
-  rows = SamplerState(jax.tree.map(lambda a: a[:r], s.params), tokens, s.seen_prompt, out_counts)
-  out = sample(logits, rows, lengths + 1, want_logprobs)
-  next_tokens = jax.lax.dynamic_update_slice(s.tokens, jnp.where(count > 0, out.tokens, tokens), (0,))
-  return DecodeState(cache, SamplerState(s.params, next_tokens, s.seen_prompt, out_counts)), out
+  return DecodeState(cache, s.replace(out_counts=out_counts)), logits, count > 0
+
+
+def sample_rows(state: DecodeState, logits, rows, take, want_logprobs):
+  """Draws the next token of slots `rows` [R] from their logits [R, V], at their current lengths
+  (the position the drawn token will take); a row with take[r] keeps it as its next token.
+
+  Its own program, one per row count, shared by every prefill bucket and the decode step of that
+  many rows: the sampler is a large part of each program's compile time, and dispatching it apart
+  costs the device nothing (the logits are written out either way).
+  """
+  s = state.sampler
+  params = jax.tree.map(lambda a: a[rows], s.params)
+  out = sample(logits, SamplerState(params, s.tokens[rows], s.seen_prompt, s.out_counts), state.cache.lengths[rows],
+               want_logprobs, rows=rows)
+  tokens = s.tokens.at[rows].set(jnp.where(take, out.tokens, s.tokens[rows]), unique_indices=True)
+  return DecodeState(state.cache, s.replace(tokens=tokens)), out
 
 
 def verify_step(graphdef, params, state: DecodeState, active, proposals, counts, want_logprobs, *,
@@ -245,17 +260,16 @@ class Programs:
     kw = self._shardings_kw
     self._prefill = {
         fresh: jax.jit(functools.partial(prefill, graphdef, fresh=fresh, platform=platform), donate_argnums=(1,),
-                       **kw(5))
+                       **kw(4))
         for fresh in (True, False)
     }
     self.decode = jax.jit(functools.partial(decode_step, graphdef, limit=full_capacity(cfg, spec), platform=platform),
-                          donate_argnums=(1,), **kw(2))
+                          donate_argnums=(1,), **kw(1, outputs=2))
+    self.sample = self._state_update(sample_rows, 4, outputs=1)
     self.verify = None
     if spec.slack:
-      vkw = {} if shardings is None else dict(kw(4), out_shardings=(self.shardings["state"], self._replicated(),
-                                                                      self._replicated()))
       self.verify = jax.jit(functools.partial(verify_step, graphdef, limit=full_capacity(cfg, spec), platform=platform),
-                            donate_argnums=(1,), **vkw)
+                            donate_argnums=(1,), **kw(4, outputs=2))
     self.fork = self._state_update(fork, 4)
     self.move = self._state_update(move, 2)
     logits_kw = {}
@@ -275,31 +289,34 @@ class Programs:
     mesh = jax.tree.leaves(self.shardings["state"])[0].mesh
     return rules.replicated(mesh)
 
-  def _shardings_kw(self, num_host_args: int) -> dict:
+  def _shardings_kw(self, num_host_args: int, outputs: int = 1) -> dict:
+    """(params, state, *host args) -> (state, *outputs), the outputs replicated."""
     if self.shardings is None:
       return {}
     ps, ss, rep = self.shardings["params"], self.shardings["state"], self._replicated()
-    return dict(in_shardings=(ps, ss) + (rep,) * num_host_args, out_shardings=(ss, rep))
+    return dict(in_shardings=(ps, ss) + (rep,) * num_host_args, out_shardings=(ss,) + (rep,) * outputs)
 
-  def _state_update(self, fn, num_host_args: int):
-    """Jits `fn(state, *host_args) -> state` with the state donated and, if sharded, kept in place."""
+  def _state_update(self, fn, num_host_args: int, outputs: int = 0):
+    """Jits `fn(state, *host_args) -> state` (or (state, *outputs)) with the state donated and,
+    if sharded, kept in place."""
     if self.shardings is None:
       return jax.jit(fn, donate_argnums=(0,))
     ss, rep = self.shardings["state"], self._replicated()
-    return jax.jit(fn, donate_argnums=(0,), in_shardings=(ss,) + (rep,) * num_host_args, out_shardings=ss)
+    out = ss if outputs == 0 else (ss,) + (rep,) * outputs
+    return jax.jit(fn, donate_argnums=(0,), in_shardings=(ss,) + (rep,) * num_host_args, out_shardings=out)
 
-  def prefill(self, params, state, tokens, counts, slots, row_params, want_logprobs, *, fresh: bool):
-    return self._prefill[fresh](params, state, tokens, counts, slots, row_params, want_logprobs)
+  def prefill(self, params, state, tokens, counts, slots, row_params, *, fresh: bool):
+    return self._prefill[fresh](params, state, tokens, counts, slots, row_params)
 
   def prefill_program(self, fresh: bool):
     """The jitted prefill program (fresh or continued): `jaxgen plan` lowers it abstractly."""
     return self._prefill[fresh]
 
-  def lower_prefill(self, params, state, tokens, counts, slots, row_params, want_logprobs, *, fresh: bool):
+  def lower_prefill(self, params, state, tokens, counts, slots, row_params, *, fresh: bool):
     """The prefill program for these arguments traced and lowered (`jax.stages.Lowered`): its
     `compile()` compiles it or loads it from the persistent cache, and a call with these arguments
     then finds it built."""
-    return self._prefill[fresh].lower(params, state, tokens, counts, slots, row_params, want_logprobs)
+    return self._prefill[fresh].lower(params, state, tokens, counts, slots, row_params)
 
 
 def store_shardings(cfg: ModelConfig, spec: prefix.StoreSpec, mesh):

@@ -191,7 +191,7 @@ def test_decode_step_updates_the_cache_in_place(impl, rows):
 
   cfg = tiny_config()
   eng = Engine(tiny_model(cfg), ToyTokenizer(cfg.vocab_size), max_batch=2, max_len=64, platform=platform_for(impl))
-  hlo = eng.runner.programs.decode.lower(eng.runner.params, eng.runner.state, np.ones(rows, np.bool_), np.bool_(False)).compile().as_text()
+  hlo = eng.runner.programs.decode.lower(eng.runner.params, eng.runner.state, np.ones(rows, np.bool_)).compile().as_text()
   layers = eng.runner.state.cache.layers
   assert _cache_copies(hlo, [l.k for l in layers]) == []
 

@@ -298,17 +298,18 @@ def test_nothing_compiles_after_warmup():
 
 def test_warmup_compiles_a_number_of_programs_that_grows_with_log2_of_max_batch():
   """Warm-up compiles `num_programs` programs, counted in the jit caches of the engine's programs
-  themselves: at 8 slots two more than at 2 (decode over 4 and 8 rows), not six more forks."""
+  themselves: at 8 slots four more than at 2 (decode and the sampler over 4 and 8 rows), not six
+  more forks."""
   counted = {}
   for slots in (2, 8):
     jax.clear_caches()  # fork and move are jitted module functions whose caches engines share
     eng = make_engine(slots=slots, max_len=64, chunk=32)
     eng.warmup()
     p = eng.runner.programs
-    jitted = [p.prefill_program(True), p.prefill_program(False), p.decode, p.fork, p.move, p.logits]
+    jitted = [p.prefill_program(True), p.prefill_program(False), p.decode, p.sample, p.fork, p.move, p.logits]
     counted[slots] = sum(f._cache_size() for f in jitted)
     assert counted[slots] == eng.num_programs
-  assert counted[8] - counted[2] == 2
+  assert counted[8] - counted[2] == 4
 
 
 def test_the_decode_program_built_ahead_is_the_one_the_first_decode_step_runs():

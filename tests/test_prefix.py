@@ -227,7 +227,8 @@ def test_warmup_compiles_save_and_restore_too():
   eng = engine(slots=2, max_len=128, chunk=32)
   eng.warmup()
   p = eng.runner.programs
-  jitted = [p.prefill_program(True), p.prefill_program(False), p.decode, p.fork, p.move, p.logits, p.save, p.restore]
+  jitted = [p.prefill_program(True), p.prefill_program(False), p.decode, p.sample, p.fork, p.move, p.logits, p.save,
+            p.restore]
   assert sum(f._cache_size() for f in jitted) == eng.num_programs
 
 

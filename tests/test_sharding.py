@@ -292,7 +292,7 @@ def _decode_hlo(llm) -> str:
 
   eng = llm.engine
   active = np.zeros(len(eng.scheduler.slots), np.bool_)
-  return eng.runner.programs.decode.lower(eng.runner.params, eng.runner.state, active, np.bool_(False)).compile().as_text()
+  return eng.runner.programs.decode.lower(eng.runner.params, eng.runner.state, active).compile().as_text()
 
 
 def _weight_sizes(cfg) -> dict[str, int]:

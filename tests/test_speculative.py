@@ -146,7 +146,7 @@ def test_nothing_compiles_after_warmup_and_verify_is_counted(method):
   eng = engine(slots=4) if method == "ngram" else engine(DRAFT, slots=4, draft_model=first_layers(MODEL, 3))
   eng.warmup()
   p, d = eng.runner.programs, eng.runner.drafter
-  jitted = [p.prefill_program(True), p.prefill_program(False), p.decode, p.verify, p.fork, p.move, p.logits, p.save, p.restore]
+  jitted = [p.prefill_program(True), p.prefill_program(False), p.decode, p.sample, p.verify, p.fork, p.move, p.logits, p.save, p.restore]
   jitted += [d._catch_up, d._propose, d._move] if d else []
   assert sum(f._cache_size() for f in jitted) == eng.num_programs
   before = compiles.count()
