@@ -30,7 +30,7 @@ from jaxgen.decode.prefix_index import BLOCK
 from jaxgen.decode.buckets import bucket
 from jaxgen.decode.scheduler import Decode, Fork, Move, Prefill, Restore, Save, SchedulerOutput, chunk_tokens
 from jaxgen.decode.stats import Stats
-from jaxgen.decode.steps import Programs, place_state, place_store, state_shardings, store_shardings
+from jaxgen.decode.steps import place_state, place_store, programs_for, state_shardings, store_shardings
 from jaxgen.model.params import path_str
 from jaxgen.model.platform import return_freed_heap
 from jaxgen.sharding import rules
@@ -92,7 +92,7 @@ class Runner:
     self.store = None
     if config.store is not None:
       self.store = _committed(place_store(cfg, config.store, None if shardings is None else shardings["store"]))
-    self.programs = Programs(self.graphdef, cfg, config.cache, config.platform, shardings)
+    self.programs = programs_for(self.graphdef, cfg, config.cache, config.platform, shardings)
     self.drafter = None
     if config.draft_platform is not None:
       self.drafter = draft.Drafter(draft_model, config.cache, config.draft_platform, config.speculative.k,

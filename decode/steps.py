@@ -26,6 +26,7 @@ and reads back only the sampled ids (and logprobs when asked).
 
 from __future__ import annotations
 
+import collections
 import functools
 from typing import Any
 
@@ -317,6 +318,30 @@ class Programs:
     `compile()` compiles it or loads it from the persistent cache, and a call with these arguments
     then finds it built."""
     return self._prefill[fresh].lower(params, state, tokens, counts, slots, row_params)
+
+
+_SHARED: collections.OrderedDict = collections.OrderedDict()
+_SHARED_MAX = 8
+
+
+def programs_for(graphdef, cfg: ModelConfig, spec: CacheSpec, platform: Platform,
+                 shardings: dict[str, Any] | None = None) -> Programs:
+  """`Programs(...)`, shared by every engine of the same graph, config, cache, platform and layout
+  (the weights are arguments, not part of a program): an engine built again (a notebook's rerun
+  cell, an RL loop's, a test's) finds its programs traced and compiled in memory, where a new set
+  would trace and lower each again before the persistent cache could answer. The latest few are
+  kept."""
+  layout = None
+  if shardings is not None:
+    leaves, treedef = jax.tree.flatten(shardings)
+    layout = (treedef, tuple(leaves))
+  key = (graphdef, cfg, spec, platform, layout)
+  if key not in _SHARED:
+    _SHARED[key] = Programs(graphdef, cfg, spec, platform, shardings)
+    while len(_SHARED) > _SHARED_MAX:
+      _SHARED.popitem(last=False)
+  _SHARED.move_to_end(key)
+  return _SHARED[key]
 
 
 def store_shardings(cfg: ModelConfig, spec: prefix.StoreSpec, mesh):
