@@ -144,6 +144,7 @@ def test_output_kinds_carry_what_a_cumulative_request_does(kind):
       if out.request_id == rid:
         seen.append((out, list(out.outputs[0].token_ids)))
       else:
+        assert out.request_id == other
         pieces.append(out)
   whole = seen[-1][0].outputs[0]
   assert all(list(o.outputs[0].token_ids) == ids for o, ids in seen)  # none changed after it was handed out
