@@ -16,7 +16,7 @@ from jaxgen.checkpoints import source, weights
 from jaxgen.checkpoints.chat import chat_format, conversations
 from jaxgen.checkpoints.tokenizer import Tokenizer
 from jaxgen.decode import draft, speculative
-from jaxgen.decode.buckets import bucket, powers_of_two
+from jaxgen.decode.buckets import bucket, half_steps
 from jaxgen.decode.config import MIN_PROMPT_BUCKET, EngineConfig
 from jaxgen.decode.engine import Engine
 from jaxgen.decode.outputs import RequestOutput
@@ -143,7 +143,7 @@ class LLM:
     t1 = time.perf_counter()
     self.config = config
     self.engine = Engine(self.model, self.tokenizer, config, draft_model=draft_model)
-    self.logits_buckets = powers_of_two(self.cfg.max_context, MIN_PROMPT_BUCKET)
+    self.logits_buckets = half_steps(self.cfg.max_context, MIN_PROMPT_BUCKET)
     self.timings["engine_s"] = time.perf_counter() - t1
     if ahead:
       self.engine.build_decode_ahead()
