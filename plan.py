@@ -237,7 +237,7 @@ def plan(cfg: ModelConfig, target: str | targets.Target, *, model_name: str = ""
   if config.store is not None:
     shardings["store"] = store_shardings(cfg, config.store, mesh)
     pl = memory_plan(cfg, weight_dtype, spec, mesh, capacity=tgt.chip.hbm_bytes, store=config.store)
-  programs = Programs(graphdef, cfg, spec, platform, shardings)
+  programs = Programs(graphdef, cfg, spec, config.platform, shardings)
   abstract_params = _abstract(abstract, p_sh)
   state = _abstract(state_axes(cfg, spec)[0], shardings["state"])
   store = None if config.store is None else _abstract(config.store.shapes(cfg), shardings["store"])

@@ -10,12 +10,15 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 from jaxgen.decode import prefix, speculative
 from jaxgen.decode.buckets import powers_of_two
 from jaxgen.decode.cache import CacheSpec
 from jaxgen.decode.prefix_index import BLOCK
-from jaxgen.model.config import LOCAL, ModelConfig
-from jaxgen.model.platform import Platform, resolve
+from jaxgen.model.config import FLOAT16_OVERFLOWS, LOCAL, ModelConfig
+from jaxgen.model import kv
+from jaxgen.model.platform import KernelMesh, Platform, resolve
+from jaxgen.sharding import rules
 
 MIN_PROMPT_BUCKET = 16
 
@@ -162,8 +165,12 @@ class EngineConfig:
     spec_cfg = speculative.parse(speculative_config)
     platform = platform or resolve(dtype, cache_dtype=cache_dtype, prefill_chunk=prefill_chunk,
                                    quantization=model.weight_quant)
+    if platform.compute_dtype(dtype) == jnp.float16 and model.family in FLOAT16_OVERFLOWS:
+      raise ValueError(f"dtype={dtype!r} computes in float16 on {platform.device_kind or platform.backend}, whose "
+                       f"range {model.family} activations exceed (NaN); use dtype='bfloat16' or 'float32'")
     cache = CacheSpec(slots=max_batch, max_len=max_len, dtype=cache_dtype or platform.cache_dtype,
                       align=platform.cache_align, slack=spec_cfg.k if spec_cfg else 0)
+    platform = with_kernel_mesh(platform, model, cache, mesh)
     chunk, ring, note = prompt_chunk(model, cache, prefill_chunk or platform.prefill_chunk, enable_prefix_caching)
     data_parallel = 1 if mesh is None else mesh.shape.get("data", 1)
     # Slots split over a data axis: a prefix of rows would sit on a few devices, so steps cover all.
@@ -190,12 +197,24 @@ class EngineConfig:
         same = draft_cfg.weight_quant == model.weight_quant and str(draft_dtype) == str(dtype)
         draft_platform = platform if same else resolve(str(draft_dtype), cache_dtype=cache.dtype, prefill_chunk=chunk,
                                                        quantization=draft_cfg.weight_quant)
+      draft_platform = with_kernel_mesh(draft_platform, draft_cfg, cache, mesh)
     elif draft is not None:
       raise ValueError(f"draft_model is given but speculative_config method={method!r} does not use one")
     else:
       draft_platform = None
     return cls(model, platform, cache, chunk, ring, prompt_buckets(chunk), rows, prefill_token_budget or chunk,
                store, note, spec_cfg, draft_platform, mesh, seed)
+
+
+def with_kernel_mesh(platform: Platform, model: ModelConfig, cache: CacheSpec, mesh) -> Platform:
+  """The platform with how the Pallas kernel's operands split over `mesh`, as the rules table
+  splits the cache (its slots and kv heads); unchanged on one device or without the kernel."""
+  if platform.attention != "pallas" or mesh is None or mesh.size == 1:
+    return platform
+  shape = jax.tree.leaves(cache.shapes(model).layers)[0].shape
+  rows, heads = rules.partition_spec("cache.k", shape, kv.AXES, mesh)[:2]
+  return dataclasses.replace(platform, devices=mesh.size,
+                             kernel_mesh=KernelMesh(mesh.abstract_mesh, rows, heads))
 
 
 def _free_device_bytes() -> int | None:

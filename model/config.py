@@ -17,6 +17,12 @@ GLOBAL, LOCAL = "global", "local"
 WEIGHT_QUANTIZATIONS = (None, "int8")
 
 
+# Families whose activations overflow float16 (Gemma's residual stream exceeds its 65,504: the
+# 270M model gives NaN at every position of the golden prompts). float16 weights still serve them
+# where activations are float32 (this CPU's platform); bfloat16 has float32's range.
+FLOAT16_OVERFLOWS = frozenset({"gemma2", "gemma3"})
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """Shapes and conventions of a decoder-only transformer.

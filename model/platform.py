@@ -29,6 +29,18 @@ ATTENTION_CHOICES = CHOICES + ("pallas",)  # attention also has a Pallas kernel 
 
 
 @dataclasses.dataclass(frozen=True)
+class KernelMesh:
+  """How a kernel's operands split over a mesh, for kernels wrapped in `shard_map`: the mesh (its
+  axes and sizes, no devices) and the mesh axes that split the cache's rows (slots) and its kv
+  heads (None: not split). Set by the engine's config from the sharding rules; the model does
+  not decide a layout."""
+
+  mesh: jax.sharding.AbstractMesh
+  rows: str | None
+  heads: str | None
+
+
+@dataclasses.dataclass(frozen=True)
 class Platform:
   """Hashable, so that the compiled programs can take it as a static argument."""
 
@@ -43,6 +55,7 @@ class Platform:
   reasons: tuple[tuple[str, str], ...] = ()  # (op, why this implementation)
   cpu_kernels: cpu_kernels.Status | None = None  # on CPU: whether jaxgen's kernels run here, and why
   emulated: bool = False  # the backend's choices, run on this CPU (Pallas interpreted): `LLM(emulate=...)`
+  kernel_mesh: KernelMesh | None = None  # over several devices: how the Pallas kernel's operands split
 
   @property
   def kernels(self) -> dict[str, str]:
@@ -85,8 +98,9 @@ def resolve(weight_dtype: str, *, cache_dtype: str | None = None, devices: int =
   matmul / attention: "auto" (the fastest that runs here), "xla" (the plain formulation: what TPU
   and GPU run; on CPU the float32 activations stay), or "cpu" (jaxgen's CPU kernels; a ValueError
   where they cannot run); attention also "pallas" (`pallas_kernels`; interpret mode on CPU).
-  "auto" takes the Pallas kernel on one TPU chip with a float cache, the plain formulation on GPU,
-  on a mesh and for an int8 cache (each with its reason). kernels: the CPU kernels' status
+  "auto" takes the Pallas kernel on TPU with a float cache (on a mesh, per shard: the engine's
+  config sets `kernel_mesh`), the plain formulation on GPU and for an int8 cache (each with its
+  reason). kernels: the CPU kernels' status
   (default: `cpu_kernels.status()`).
   quantization: the weights' (`ModelConfig.weight_quant`): int8 weights take the CPU kernels'
   int8 matmul where they run, whatever `weight_dtype` (the dtype of norms and activations).
@@ -117,17 +131,20 @@ def resolve(weight_dtype: str, *, cache_dtype: str | None = None, devices: int =
       if value == "cpu":
         raise ValueError(f"{name}_impl='cpu' needs the CPU backend; this process runs on {backend}")
     cache_dtype = cache_dtype or weight_dtype
+    if attention == "pallas" and backend != "tpu" and cache_dtype == "int8":
+      raise ValueError("attention_impl='pallas' on GPU reads a float cache; with cache_dtype='int8' use "
+                       "attention_impl='xla' or 'auto'")
     if attention == "pallas":
       att, att_why = "pallas", "asked for (attention_impl='pallas'): Pallas kernel, each row read to its length"
-    elif attention == "auto" and backend == "tpu" and devices == 1 and cache_dtype != "int8":
+    elif attention == "auto" and backend == "tpu" and cache_dtype != "int8":
       att, att_why = "pallas", "Pallas kernel streams each row's cache blocks up to its length (XLA reads it whole)"
+      if devices > 1:
+        att_why += "; on the mesh, per shard of slots and kv heads (shard_map)"
     else:
       why = {"xla": "asked for (attention_impl='xla')",
              "gpu": "the Pallas kernel is written for TPU (scalar-prefetch grid); GPU keeps XLA's fused attention",
-             "int8": "an int8 cache's scales [.., S, H/16]: a lane dim Mosaic pads to 128 (a relayout copy per step)",
-             "mesh": f"{devices} devices: the kernel has no sharding rule yet (XLA partitions the plain formulation)"}
-      reason = ("xla" if attention == "xla" else "gpu" if backend != "tpu" else "int8" if cache_dtype == "int8"
-                else "mesh")
+             "int8": "an int8 cache's scales [.., S, H/16]: a lane dim Mosaic pads to 128 (a relayout copy per step)"}
+      reason = "xla" if attention == "xla" else "gpu" if backend != "tpu" else "int8"
       att, att_why = "xla", f"plain XLA formulation over the whole cache: {why[reason]}"
     return Platform(backend, kind, devices, None, cache_dtype, prefill_chunk or 1024, "xla", att,
                     (("matmul", f"plain XLA formulation: {weight_dtype} is native on {backend}"),

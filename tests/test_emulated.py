@@ -73,3 +73,35 @@ def test_the_engine_in_bf16_decodes_the_reference_continuations(tpu_bf16, golden
   again = tpu_bf16.generate(prompts[1], SamplingParams(max_tokens=12, temperature=0, n=2), use_tqdm=False)[0]
   assert [c.token_ids for c in again.outputs] == [outs[1].outputs[0].token_ids] * 2
   assert again.num_cached_tokens > 0
+
+
+def test_float16_serves_a_llama_and_refuses_gemma_with_the_reason():
+  """float16 activations (a GPU's choice for float16 weights), emulated: a Llama-shaped model's
+  logits and greedy tokens as in float32; Gemma's activations overflow float16's range (the
+  embedded model gave NaN at every golden position), so an engine for it is refused by name."""
+  from conftest import ToyTokenizer, tiny_config, tiny_model
+  from jaxgen import plan
+  from jaxgen.decode.config import EngineConfig
+  from jaxgen.model.params import flat_params
+  from jaxgen.model.platform import resolve
+
+  gemma, _ = plan.model_config(None)
+  with pytest.raises(ValueError, match=r"dtype='float16' computes in float16 .* gemma3 .*'bfloat16' or 'float32'"):
+    EngineConfig.resolve(gemma, "float16", max_batch=1, max_len=64, platform=resolve("float16", emulate="gpu"))
+
+  cfg = tiny_config(family="llama", norm_offset=0.0, qk_norm=False, sandwich_norm=False, activation="silu",
+                    embed_scale=False, layer_kinds=("global",) * 4, sliding_window=None)
+  tree = {name: np.asarray(x).astype(np.float16) for name, x in flat_params(tiny_model(cfg, seed=3)).items()}
+  kw = dict(max_len=64, max_batch=2, prefill_chunk=32, seed=0)
+  f16 = LLM.from_weights(cfg, tree, ToyTokenizer(cfg.vocab_size), dtype="float16", emulate="gpu", **kw)
+  # The same (float16-rounded) weights in float32: what differs is the activations' precision.
+  f32 = LLM.from_weights(cfg, {name: x.astype(np.float32) for name, x in tree.items()}, ToyTokenizer(cfg.vocab_size),
+                         dtype="float32", **kw)
+  assert f16.platform.activation_dtype is None and f16.platform.cache_dtype == "float16"
+  prompt = [5, 17, 99, 3, 250, 41, 8]
+  err = np.abs(f16.logits(prompt) - f32.logits(prompt)).max()
+  greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+  outs = [llm.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids for llm in (f16, f32)]
+  print(f"float16 vs float32 logits: max |diff| {err:.2e}")
+  assert 0 < err < 2.5e-4, err  # measured 8.5e-5 (not 0: the activations were float16)
+  assert outs[0] == outs[1]

@@ -122,11 +122,11 @@ def test_mosaic_compiles_the_int8_cache_path():
   assert resolve("bfloat16", cache_dtype="int8", backend="tpu", device_kind="TPU v5 lite").attention == "xla"
 
 
-def test_auto_takes_the_kernel_on_one_tpu_chip_only():
+def test_auto_takes_the_kernel_on_tpu_chips_and_slices():
   tpu = dict(backend="tpu", device_kind="TPU v6 lite")
   assert resolve("bfloat16", **tpu).attention == "pallas"
-  assert resolve("bfloat16", devices=8, **tpu).attention == "xla"
-  assert "sharding rule" in resolve("bfloat16", devices=8, **tpu).why("attention")
+  assert resolve("bfloat16", devices=8, **tpu).attention == "pallas"
+  assert "shard_map" in resolve("bfloat16", devices=8, **tpu).why("attention")
   assert resolve("bfloat16", backend="gpu", device_kind="NVIDIA H100").attention == "xla"
   assert resolve("bfloat16", attention="xla", **tpu).attention == "xla"
   with pytest.raises(ValueError, match="emulate='tpu5' is not supported"):
@@ -205,6 +205,7 @@ def test_llama3_8b_decode_compiles_for_v5e_8_split_by_heads_without_gathering_we
   (decode,) = r.programs
   assert decode.compiled, decode.error
   assert r.mesh == {"data": data, "model": model} and r.fits
+  assert r.attention == "pallas"  # the kernel per shard (shard_map), compiled by Mosaic for each chip
   # Megatron split: all-reduces after attention and MLP; weights stay where they are.
   assert decode.collectives["all-reduce"] >= cfg.num_layers
   # What is gathered is the [rows, vocab] logits for the sampler (a few MB), never a weight.
@@ -240,13 +241,19 @@ def test_every_program_of_an_engine_exports_for_cuda():
 
 
 @pytest.mark.slow
-def test_a_decode_step_compiles_for_an_h100_without_one(tmp_path):
-  """XLA:GPU through the CUDA plugin and the card's target config: no driver, no device."""
+@pytest.mark.parametrize("attention", ["auto", "pallas"])
+def test_a_decode_step_compiles_for_an_h100_without_one(tmp_path, attention):
+  """XLA:GPU through the CUDA plugin and the card's target config: no driver, no device. With
+  attention_impl="pallas" the GPU kernel (Pallas' Triton backend) is compiled by XLA:GPU's Triton
+  pipeline for sm_90, in a decode step and in a prompt chunk over the cache written so far."""
   cfg, _ = plan.model_config(str(_tiny_config_json(tmp_path)))
-  r = plan.plan(cfg, "gpu-h100-1", max_batch=4, max_len=512, only=lambda n: n == "decode_4")
-  (decode,) = r.programs
+  r = plan.plan(cfg, "gpu-h100-1", max_batch=4, max_len=512, attention_impl=attention, largest_prefill_only=True,
+                only=lambda n: n == "decode_4" or n.startswith("prefill_more_"))
+  more, decode = r.programs
+  assert more.name.startswith("prefill_more_") and more.compiled, more.error
   assert decode.compiled, decode.error
-  assert r.attention == "xla" and r.hbm_capacity_bytes == targets.CHIPS["h100"].hbm_bytes
+  assert r.attention == ("xla" if attention == "auto" else "pallas")
+  assert r.hbm_capacity_bytes == targets.CHIPS["h100"].hbm_bytes
   assert decode.alias_bytes >= r.state_bytes and r.fits
   pred = r.predicted()
   assert pred["decode"]["bound"] == "memory" and pred["decode_tok_s"] > 0

@@ -59,6 +59,19 @@ def test_decode_program_gathers_no_weight_matrix(tiny, mesh):
   assert got["weight_gathers"] == []
 
 
+def test_the_pallas_kernel_runs_per_shard_and_equals_one_device(tiny):
+  """What `attention_impl="auto"` takes on a TPU slice: the kernel inside shard_map (slots over
+  data, kv heads over model), each shard folding the rows it holds, the shards' softmax states
+  merged. Through the engine (emulated TPU, interpreted) and for the kernel alone (float32)."""
+  got = tiny["pallas"]
+  assert got["attention"] == "pallas" and got["kernel_mesh"] == ["data", "model"]
+  assert got["tokens"] == got["reference_tokens"] and got["sampled"] == got["reference_sampled"]
+  assert got["logprobs_max_abs_diff"] <= 1e-4
+  assert set(got["kernel"]) == {"data2-model4", "data1-model8", "data8-model1", "kv1-replicated", "int8"}
+  for case, err in got["kernel"].items():
+    assert err <= 1e-5, (case, err)  # measured 2e-6 to 5e-6
+
+
 def test_weight_gather_detector_sees_a_gathered_weight(tiny):
   # The same check applied to a program that replicates the embedding must flag it.
   assert tiny["control_weight_gathers"], "the HLO check would not notice a gathered weight"
@@ -308,6 +321,42 @@ def _weight_sizes(cfg) -> dict[str, int]:
   return out
 
 
+def _kernel_per_shard() -> dict:
+  """The kernel alone under shard_map against the plain formulation on one device: rows spread
+  over the data shards (a batch row may read another shard's cache row), kv heads split or
+  replicated (K=1 on model=4), a wrapped ring with its window, an int8 cache."""
+  import jax
+  import numpy as np
+  from jax.sharding import Mesh, NamedSharding
+  from jax.sharding import PartitionSpec as P
+  from jaxgen.model.kernels import attention as A
+  from jaxgen.model.platform import KernelMesh, Platform
+  from test_pallas import blocks_for
+
+  out = {}
+  cases = {"data2-model4": ((2, 4), 4, False, False), "data1-model8": ((1, 8), 8, False, False),
+           "data8-model1": ((8, 1), 2, True, False), "kv1-replicated": ((2, 4), 1, False, False),
+           "int8": ((2, 4), 4, False, True)}
+  for name, ((d, m), kh, ring, int8) in cases.items():
+    mesh = Mesh(np.array(jax.devices()).reshape(d, m), ("data", "model"))
+    km = KernelMesh(mesh.abstract_mesh, "data", "model" if kh % m == 0 else None)
+    platform = Platform(backend="cpu", devices=8, attention="pallas", kernel_mesh=km)
+    size, window = (64, 64) if ring else (300, None)
+    q, blocks, q_pos = blocks_for(np.random.default_rng(d * 10 + kh), b=7, t=2, n=8, kh=kh, h=32, size=size,
+                                  lengths=[0, 1, 137, 290, 5, 60, 1000 if ring else 299], ring=ring, int8=int8)
+    want = A.attention_xla(q, blocks, q_pos, window, None)
+    put = lambda x: None if x is None else jax.device_put(x, NamedSharding(mesh, P(km.rows, km.heads)))  # noqa: E731
+    held, fresh = blocks
+    arrays = [put(x) for x in (held.k, held.v, held.k_scale, held.v_scale)]
+
+    def run(k, v, k_scale, v_scale):  # the block's ring size stays static
+      block = held._replace(k=k, v=v, k_scale=k_scale, v_scale=v_scale)
+      return A.attention_pallas(q, [block, fresh], q_pos, window, None, platform)
+
+    out[name] = float(np.max(np.abs(np.asarray(jax.jit(run)(*arrays)) - np.asarray(want))))
+  return out
+
+
 def worker_tiny() -> dict:
   import jax
   import jax.numpy as jnp
@@ -364,6 +413,21 @@ def worker_tiny() -> dict:
       "float_kv": result["meshes"]["2x4"]["allocated"]["kv_cache"],
       "cache_dtype": str(llm_q.engine.runner.state.cache.layers[0].k.dtype), "sampled": _sampled(llm_q),
       "reference_sampled": _sampled(ref_q),
+  }
+
+  # The Pallas kernel per shard, as a TPU slice runs it (interpreted here): emulated TPU with the
+  # slots over data=2 and the kv heads over model=4, against one device's plain formulation.
+  one = LLM(None, emulate="tpu", attention_impl="xla", **kw)
+  sharded = LLM(None, mesh=MeshConfig(data=2, model=4), emulate="tpu", **kw)
+  platform = sharded.engine.config.platform
+  one_tokens, one_lp = _greedy(one, PROMPTS)
+  tokens, lp = _greedy(sharded, PROMPTS)
+  result["pallas"] = {
+      "attention": platform.attention, "kernel_mesh": [platform.kernel_mesh.rows, platform.kernel_mesh.heads],
+      "reference_tokens": one_tokens, "tokens": tokens,
+      "logprobs_max_abs_diff": max(abs(a - b) for x, y in zip(lp, one_lp) for a, b in zip(x, y)),
+      "reference_sampled": _sampled(one), "sampled": _sampled(sharded),
+      "kernel": _kernel_per_shard(),
   }
 
   # The detector, on a program that gathers the vocabulary-split embedding on purpose.

@@ -31,6 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+from jax.sharding import PartitionSpec as P
+from jaxgen.model.kernels.attention import pallas_gpu
 from jaxgen.model.kernels.attention.block import ungroup
 from jaxgen.model.kernels.attention.xla_cpu import unlimited_first
 from jaxgen.model.layers import NEG_INF
@@ -142,8 +144,9 @@ def cache_attention(run, qg, k, v, q_pos, start, length, rows, *, ring: int | No
   in_specs += [state(r, 1), state(r, 1), state(r, h)]
   kernel = functools.partial(_kernel, block=block, ring=ring, window=window, softcap=softcap, quantized=quantized)
   itemsize = jnp.dtype(k.dtype).itemsize
-  cost = pl.CostEstimate(flops=4 * b * kh * r * size * h, transcendentals=b * kh * r * size,
-                         bytes_accessed=2 * b * kh * size * h * itemsize + qg.size * qg.dtype.itemsize)
+  read = min(b, k.shape[0])  # rows read at most (per shard: those it holds)
+  cost = pl.CostEstimate(flops=4 * read * kh * r * size * h, transcendentals=read * kh * r * size,
+                         bytes_accessed=2 * read * kh * size * h * itemsize + qg.size * qg.dtype.itemsize)
   return pl.pallas_call(
       kernel,
       grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -161,13 +164,18 @@ def cache_attention(run, qg, k, v, q_pos, start, length, rows, *, ring: int | No
 def attention_pallas(q, blocks, q_pos, window, softcap, platform=None):
   """Cache blocks through the Pallas kernel, each row read up to its own filled length
   (`cache_attention`, positions computed from `start`); the other blocks as the
-  reference reads them. Interpret mode on CPU."""
+  reference reads them. Interpret mode on CPU. Over several devices, the kernel runs per shard
+  (`sharded_cache_attention`)."""
   b, t, n, h = q.shape
   kh, scores, weighted, run, qg, q_rows = unlimited_first(q, blocks, q_pos, window, softcap)
   # Pallas compiles only for TPU and GPU; the platform says which the program is for (a plan
   # compiles for a TPU from a CPU process).
   backend = jax.default_backend() if platform is None or platform.backend == "any" else platform.backend
   interpret = backend not in ("tpu", "gpu", "cuda") or (platform is not None and platform.emulated)
+  kernel_mesh = None if platform is None else platform.kernel_mesh
+  if kernel_mesh is None and platform is not None and platform.devices > 1:
+    raise ValueError(f"attention_impl='pallas' over {platform.devices} devices needs Platform.kernel_mesh (how the "
+                     "cache splits over the mesh; EngineConfig.resolve sets it): a kernel is not partitioned by XLA")
   for blk in blocks:
     if blk.limit is None:
       continue
@@ -177,7 +185,65 @@ def attention_pallas(q, blocks, q_pos, window, softcap, platform=None):
     size = blk.k.shape[2] if blk.ring is None else blk.ring
     length = jnp.minimum(jnp.minimum(blk.start, size), blk.limit).astype(jnp.int32)  # [B] entries to read
     rows = jnp.arange(b, dtype=jnp.int32) if blk.rows is None else blk.rows.astype(jnp.int32)
-    run = cache_attention(run, qg, blk.k, blk.v, q_rows, blk.start, length, rows, ring=blk.ring,
-                                         window=window, softcap=softcap, k_scale=blk.k_scale, v_scale=blk.v_scale,
-                                         interpret=interpret)
+    if backend in ("gpu", "cuda"):
+      if blk.k_scale is not None:
+        raise ValueError("attention_impl='pallas' on GPU reads a float cache; an int8 cache takes attention_impl='xla'")
+      kernel = functools.partial(pallas_gpu.cache_attention_gpu, ring=blk.ring, window=window, softcap=softcap,
+                                 interpret=interpret)
+    else:
+      kernel = functools.partial(cache_attention, ring=blk.ring, window=window, softcap=softcap, interpret=interpret)
+    if kernel_mesh is None:
+      run = kernel(run, qg, blk.k, blk.v, q_rows, blk.start, length, rows, k_scale=blk.k_scale, v_scale=blk.v_scale)
+    else:
+      cached = sharded_cache_attention(kernel, kernel_mesh, qg, blk, q_rows, length, rows)
+      run = merge(run, cached)
   return ungroup(run[2] / run[1], q)
+
+
+def empty_state(qg):
+  """The running softmax state of no key: (m [B, K, R, 1], l, acc [B, K, R, H]) float32."""
+  b, kh, r, h = qg.shape
+  return (jnp.full((b, kh, r, 1), NEG_INF, jnp.float32), jnp.zeros((b, kh, r, 1), jnp.float32),
+          jnp.zeros((b, kh, r, h), jnp.float32))
+
+
+def merge(x, y):
+  """Two running softmax states over disjoint keys -> the state over both. NEG_INF is finite, so
+  two empty states merge to an empty one (no inf - inf)."""
+  (m1, l1, a1), (m2, l2, a2) = x, y
+  m = jnp.maximum(m1, m2)
+  s1, s2 = jnp.exp(m1 - m), jnp.exp(m2 - m)
+  return m, l1 * s1 + l2 * s2, a1 * s1 + a2 * s2
+
+
+def sharded_cache_attention(kernel, kernel_mesh, qg, blk, q_rows, length, rows):
+  """`kernel` (a bound `cache_attention`) per shard of a mesh: the cache's kv heads split over
+  `kernel_mesh.heads` (each shard folds its heads' queries), its rows (slots) over
+  `kernel_mesh.rows`. A batch row may read a cache row that another rows-shard holds: each shard
+  folds the rows it holds (the others read length 0: no block is computed) into an empty state,
+  and the shards' states are merged with one max and two sums over the rows axis, [B, K, R, H]
+  floats per layer (the cache itself never moves). Returns the state over the block's keys."""
+  rows_axis, heads_axis = kernel_mesh.rows, kernel_mesh.heads
+  cache_spec = P(rows_axis, heads_axis, None, None)
+  state_spec = P(None, heads_axis, None, None)
+  quantized = blk.k_scale is not None
+
+  def local(qg, q_rows, start, length, rows, k, v, *scales):
+    if rows_axis is not None:
+      per = k.shape[0]
+      rows = rows - jax.lax.axis_index(rows_axis) * per
+      here = (rows >= 0) & (rows < per)
+      length = jnp.where(here, length, 0)
+      rows = jnp.clip(rows, 0, per - 1)
+    k_scale, v_scale = scales if quantized else (None, None)
+    m, l, acc = kernel(empty_state(qg), qg, k, v, q_rows, start, length, rows, k_scale=k_scale, v_scale=v_scale)
+    if rows_axis is not None:
+      top = jax.lax.pmax(m, rows_axis)
+      scale = jnp.exp(m - top)
+      m, l, acc = top, jax.lax.psum(l * scale, rows_axis), jax.lax.psum(acc * scale, rows_axis)
+    return m, l, acc
+
+  scales = (blk.k_scale, blk.v_scale) if quantized else ()
+  in_specs = (state_spec, P(), P(), P(), P()) + (cache_spec,) * (2 + len(scales))
+  fn = jax.shard_map(local, mesh=kernel_mesh.mesh, in_specs=in_specs, out_specs=(state_spec,) * 3, check_vma=False)
+  return fn(qg, q_rows, blk.start.astype(jnp.int32), length, rows, blk.k, blk.v, *scales)
