@@ -23,7 +23,9 @@ PATTERN = [int(x) for x in RNG.integers(3, 300, 12)]
 PROMPTS = [PATTERN * 6, [int(x) for x in RNG.integers(3, 300, 40)], PATTERN * 3 + [5, 6], PATTERN[:7] * 5]
 
 
-def engine(spec="ngram:4", slots=4, model=MODEL, **kw) -> Engine:
+# Engines of one size and k share their compiled programs (steps.programs_for): the tests use
+# 8 slots and k = 4 unless what they check needs another.
+def engine(spec="ngram:4", slots=8, model=MODEL, **kw) -> Engine:
   return Engine(model, ToyTokenizer(model.cfg.vocab_size), max_batch=slots, max_len=256, prefill_chunk=64, seed=0,
                 speculative_config=spec, **kw)
 
@@ -105,8 +107,8 @@ def test_greedy_output_is_plain_decodings_batch_one_and_mixed():
            SamplingParams(max_tokens=40, temperature=0.0, repetition_penalty=1.3, ignore_eos=True),
            SamplingParams(max_tokens=33, temperature=0.0, min_tokens=20, ignore_eos=True)] * 2
   prompts = PROMPTS * 2
-  spec_eng = engine(slots=8)
-  for x, y in zip(run(spec_eng, prompts, mixed), run(engine(None, slots=8), prompts, mixed)):
+  spec_eng = engine()
+  for x, y in zip(run(spec_eng, prompts, mixed), run(engine(None), prompts, mixed)):
     assert_same(x, y)
   m = spec_eng.metrics()
   assert m["spec_draft_tokens"] > m["spec_accepted_tokens"] > 0 and m["spec_mean_accepted_length"] > 1
@@ -115,9 +117,9 @@ def test_greedy_output_is_plain_decodings_batch_one_and_mixed():
 def test_seeded_samples_do_not_depend_on_speculation_or_k():
   params = [SamplingParams(max_tokens=60, temperature=t, top_p=p, seed=s, ignore_eos=True, n=n)
             for t, p, s, n in ((0.01, 1.0, 1, 1), (0.03, 0.9, 2, 2), (1.0, 1.0, 3, 1), (0.3, 0.8, 4, 1))]
-  plain = run(engine(None, slots=8), PROMPTS, params)
-  for spec in ("ngram:1", {"method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_min": 1}):
-    eng = engine(spec, slots=8)
+  plain = run(engine(None), PROMPTS, params)
+  for spec in ("ngram:1", {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}):
+    eng = engine(spec)
     for x, y in zip(run(eng, PROMPTS, params), plain):
       assert_same(x, y)
     assert eng.metrics()["spec_accepted_tokens"] > 0
@@ -143,7 +145,7 @@ def test_stops_inside_an_accepted_run_and_max_tokens_hold():
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
 def test_nothing_compiles_after_warmup_and_verify_is_counted(method):
   jax.clear_caches()  # fork, move, save and restore are module functions whose jit caches engines share
-  eng = engine(slots=4) if method == "ngram" else engine(DRAFT, slots=4, draft_model=first_layers(MODEL, 3))
+  eng = engine() if method == "ngram" else engine(DRAFT, draft_model=first_layers(MODEL, 3))
   eng.warmup()
   p, d = eng.runner.programs, eng.runner.drafter
   jitted = [p.prefill_program(True), p.prefill_program(False), p.decode, p.sample, p.verify, p.fork, p.move, p.logits, p.save, p.restore]
@@ -175,7 +177,7 @@ def test_the_sampled_distribution_is_the_targets(top_p):
   cfg = tiny_config(vocab_size=16, sliding_window=32)
   model = tiny_model(cfg, seed=5)
   model.embed.set_value(model.embed.get_value() * 12)
-  eng = engine("ngram:3", slots=8, model=model)
+  eng = engine("ngram:3", model=model)
   # The model's own greedy loop as the prompt: n-gram proposals then match often, not always.
   prompt = [3, 4, 5, 6] + run(eng, [[3, 4, 5, 6]], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))[0].token_ids
   outs = run(eng, [prompt] * 3000, [SamplingParams(max_tokens=3, temperature=TEMP, top_p=top_p, seed=s,
@@ -243,8 +245,8 @@ def test_draft_model_output_is_plain_decodings(name):
             SamplingParams(max_tokens=50, temperature=0.7, seed=3, ignore_eos=True),
             SamplingParams(max_tokens=80, temperature=0.0, logprobs=2, ignore_eos=True)]
   prompts = PROMPTS + PROMPTS[:1]
-  eng = engine(DRAFT, slots=8, draft_model=DRAFTS[name])
-  for x, y in zip(run(eng, prompts, params), run(engine(None, slots=8), prompts, params)):
+  eng = engine(DRAFT, draft_model=DRAFTS[name])
+  for x, y in zip(run(eng, prompts, params), run(engine(None), prompts, params)):
     assert_same(x, y)
   m = eng.metrics()
   assert m["spec_draft_tokens"] > 0 and m["row_moves"] > 0
@@ -252,15 +254,14 @@ def test_draft_model_output_is_plain_decodings(name):
     assert m["spec_acceptance_rate"] > 0.6, m
 
 
-@pytest.mark.parametrize("k", [3])
-def test_draft_model_seeded_samples_and_stops_hold(k):
+def test_draft_model_seeded_samples_and_stops_hold():
   greedy = SamplingParams(max_tokens=70, temperature=0.0, ignore_eos=True)
   ref = run(engine(None), [PROMPTS[0]], greedy)[0]
   text = ref.outputs[0].text
   cases = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (1, 13)]
   cases += [SamplingParams(max_tokens=70, temperature=0.0, stop=[text[30:33]], ignore_eos=True),
             SamplingParams(max_tokens=60, temperature=0.05, top_p=0.9, seed=5, ignore_eos=True)]
-  spec_eng, plain_eng = engine(dict(DRAFT, num_speculative_tokens=k), draft_model=MODEL), engine(None)
+  spec_eng, plain_eng = engine(DRAFT, draft_model=MODEL), engine(None)
   for sp in cases:
     got, want = run(spec_eng, [PROMPTS[0]], sp)[0], run(plain_eng, [PROMPTS[0]], sp)[0]
     assert_same(got, want)
