@@ -43,13 +43,14 @@ class InFlight:
   """A dispatched prefill chunk or decode step whose results are not read yet."""
 
   kind: str  # "prefill" or "decode"
-  out: Any  # the program's sampled ids (and logprobs), still on the device
+  out: Any  # the program's sampled ids (and logprobs), still on the device; None: nothing drawn
   rows: list  # [(row of the results, Sample)] to hand the results to
   dispatched: float
   compile_s: float  # of this dispatch (a build ahead waited for, a program compiled)
   prompt_tokens: int = 0  # prefill: the chunk's tokens
   accepted: Any = None  # verify: accepted proposals per row (on the device)
   counts: np.ndarray | None = None  # verify: proposals per row
+  ready: Any = None  # without `out`: an output of the program (not one a later dispatch donates), to wait for
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +102,7 @@ class Runner:
     # are), also where a prefill's come from the host: one program per row count, not two.
     out = self.state.cache.lengths.sharding if mesh is None else rules.replicated(mesh)
     self._place = lambda x: jax.device_put(x, out)
-    self._take = {b: self._place(np.full(1, b)) for b in (True, False)}  # whether a prefill's row keeps its draw
+    self._take = self._place(np.full(1, True))  # a prompt's last chunk: its row keeps the draw
     self.built: set[int] = set()  # row buckets whose decode (or verify) program has run
     self.ahead: threading.Thread | None = None  # `build_decode_ahead`'s build, until waited for
     self._last_ready = time.perf_counter()
@@ -140,11 +141,12 @@ class Runner:
     waited = time.perf_counter() - t0  # building programs: compile time to the metrics
     c0 = compiles.seconds()
     self.state, logits = self.programs.prefill(*args, fresh=op.start == 0)
-    # Every chunk draws (its results are what `read` waits for); the last one's draw is the row's.
-    want = op.final and op.sample.req.params.logprobs is not None
-    self.state, out = self.programs.sample(self.state, logits, np.array([op.slot], np.int32), self._take[op.final],
+    if not op.final:  # nothing to draw: `read` waits for the chunk itself
+      return InFlight("prefill", None, [], t0, waited + compiles.seconds() - c0, op.n, ready=logits)
+    want = op.sample.req.params.logprobs is not None
+    self.state, out = self.programs.sample(self.state, logits, np.array([op.slot], np.int32), self._take,
                                            np.bool_(want))
-    return InFlight("prefill", out, [(0, op.sample)] if op.final else [], t0, waited + compiles.seconds() - c0, op.n)
+    return InFlight("prefill", out, [(0, op.sample)], t0, waited + compiles.seconds() - c0, op.n)
 
   def _decode(self, d: Decode, stats: Stats) -> InFlight:
     t0 = time.perf_counter()
@@ -183,7 +185,10 @@ class Runner:
 
   def read(self, f: InFlight) -> RunnerOutput:
     """Waits for one dispatch's results and brings them to the host."""
-    tokens = np.asarray(f.out.tokens)  # blocks until this program finished
+    # Blocks until the program finished.
+    tokens = np.zeros(0, np.int32) if f.out is None else np.asarray(f.out.tokens)
+    if f.out is None:
+      jax.block_until_ready(f.ready)
     now = time.perf_counter()
     busy = max(0.0, now - max(self._last_ready, f.dispatched) - f.compile_s)
     self._last_ready = now
@@ -205,7 +210,7 @@ class Runner:
       self.state, logits = self.programs.prefill(self.params, self.state, tokens, np.array([n], np.int32),
                                                  np.array([slot], np.int32), row, fresh=start == 0)
       start += n
-    self.state, out = self.programs.sample(self.state, logits, np.array([slot], np.int32), self._take[True], np.bool_(False))
+    self.state, out = self.programs.sample(self.state, logits, np.array([slot], np.int32), self._take, np.bool_(False))
     return out.tokens
 
   def decode_rows(self, rows: int):
