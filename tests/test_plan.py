@@ -245,12 +245,11 @@ def test_every_program_of_an_engine_exports_for_cuda():
 def test_a_decode_step_compiles_for_an_h100_without_one(tmp_path, attention):
   """XLA:GPU through the CUDA plugin and the card's target config: no driver, no device. With
   attention_impl="pallas" the GPU kernel (Pallas' Triton backend) is compiled by XLA:GPU's Triton
-  pipeline for sm_90, in a decode step and in a prompt chunk over the cache written so far."""
+  pipeline for sm_90 in a decode step (a prompt chunk over the cache compiles too:
+  docs/accelerators.md; each XLA:GPU compile here costs about 15 s, never cached)."""
   cfg, _ = plan.model_config(str(_tiny_config_json(tmp_path)))
-  r = plan.plan(cfg, "gpu-h100-1", max_batch=4, max_len=512, attention_impl=attention, largest_prefill_only=True,
-                only=lambda n: n == "decode_4" or n.startswith("prefill_more_"))
-  more, decode = r.programs
-  assert more.name.startswith("prefill_more_") and more.compiled, more.error
+  r = plan.plan(cfg, "gpu-h100-1", max_batch=4, max_len=512, attention_impl=attention, only=lambda n: n == "decode_4")
+  (decode,) = r.programs
   assert decode.compiled, decode.error
   assert r.attention == ("xla" if attention == "auto" else "pallas")
   assert r.hbm_capacity_bytes == targets.CHIPS["h100"].hbm_bytes
