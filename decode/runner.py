@@ -185,10 +185,11 @@ class Runner:
 
   def read(self, f: InFlight) -> RunnerOutput:
     """Waits for one dispatch's results and brings them to the host."""
-    # Blocks until the program finished.
-    tokens = np.zeros(0, np.int32) if f.out is None else np.asarray(f.out.tokens)
-    if f.out is None:
+    if f.out is None:  # a prompt's earlier chunk: nothing drawn
       jax.block_until_ready(f.ready)
+      tokens = np.zeros(0, np.int32)
+    else:
+      tokens = np.asarray(f.out.tokens)  # blocks until this program finished
     now = time.perf_counter()
     busy = max(0.0, now - max(self._last_ready, f.dispatched) - f.compile_s)
     self._last_ready = now

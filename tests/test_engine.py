@@ -9,7 +9,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from conftest import ToyTokenizer, platform_for, tiny_config, tiny_model
+from conftest import ToyTokenizer, platform_for, run_to_end, tiny_config, tiny_model
 from jaxgen import SamplingParams
 from jaxgen.decode import compiles
 from jaxgen.decode.engine import Engine
@@ -377,3 +377,28 @@ def test_first_tokens_go_out_before_the_first_decode_program_is_built():
   while eng.has_unfinished():
     outs = eng.step() or outs
   assert [len(o.outputs[0].token_ids) for o in outs] == [3] and outs[0].finished
+
+
+def test_a_prompt_draws_once_after_its_last_chunk(monkeypatch):
+  """A 100-token prompt in chunks of 32 is four prefill dispatches and one sampling: the earlier
+  chunks draw nothing (their draw would be discarded), and the output is plain greedy decoding's."""
+  eng = make_engine(slots=1, chunk=32)
+  ref = run_to_end(make_engine(slots=1, chunk=128), [list(range(3, 103))],
+                   SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+  programs = eng.runner.programs
+  calls = {"prefill": 0, "sample": 0}
+  for name in calls:
+    original = getattr(programs, name)
+
+    def counted(*args, _name=name, _original=original, **kw):
+      calls[_name] += 1
+      return _original(*args, **kw)
+
+    monkeypatch.setattr(programs, name, counted)
+  eng.add_request(list(range(3, 103)), SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+  while eng.has_unfinished():
+    eng.step()
+  assert calls == {"prefill": 4, "sample": 1}
+  monkeypatch.undo()
+  assert run_to_end(eng, [list(range(3, 103))], SamplingParams(max_tokens=4, temperature=0.0,
+                                                                ignore_eos=True))[0].token_ids == ref[0].token_ids

@@ -7,6 +7,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxgen.model import quant
 from jaxgen.model.layers import attention_mask
 
@@ -59,3 +60,18 @@ def visibility(q_pos: jax.Array, k_pos: jax.Array, window: int | None, g: int) -
 
 def capped(s: jax.Array, softcap: float | None) -> jax.Array:
   return s if softcap is None else jnp.tanh(s / softcap) * softcap
+
+
+def held_position(j: jax.Array, n: jax.Array, ring: int | None) -> jax.Array:
+  """Position held by cache entries j (int32 of any shape) of a row that held n tokens; negative
+  where empty. Scalar arithmetic a kernel can do on its own (no position array in memory): entry j
+  of a global layer holds position j; of a ring of W, the latest p < n with p % W == j."""
+  if ring is None:
+    return jnp.where(j < n, j, -1)
+  # n - 1 = q * ring + r: entries up to r hold lap q, the later ones lap q - 1 (a lap before the
+  # first: empty).
+  last = jnp.maximum(n - 1, 0)
+  lap = jax.lax.div(last, np.int32(ring))  # truncating, operands >= 0; a numpy constant (a kernel captures no array)
+  r = last - lap * ring
+  p = j + ring * (lap - (j > r).astype(jnp.int32))
+  return jnp.where(n > 0, p, -1)

@@ -33,7 +33,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import PartitionSpec as P
 from jaxgen.model.kernels.attention import pallas_gpu
-from jaxgen.model.kernels.attention.block import ungroup
+from jaxgen.model.kernels.attention.block import capped, held_position, ungroup
 from jaxgen.model.kernels.attention.xla_cpu import unlimited_first
 from jaxgen.model.layers import NEG_INF
 
@@ -59,18 +59,6 @@ def _kernel(rows_ref, start_ref, length_ref, q_pos_ref, q_ref, k_ref, v_ref, *re
   def _():
     n = start_ref[b]  # tokens the row held: entry positions follow from it
 
-    def positions(j):
-      """Position held by entries j (int32 of any shape); negative where empty."""
-      if ring is None:
-        return jnp.where(j < n, j, -1)
-      # n - 1 = q * ring + r: entries up to r hold lap q, the later ones lap q - 1 (a lap before
-      # the first: empty).
-      last = jnp.maximum(n - 1, 0)
-      lap = jax.lax.div(last, np.int32(ring))  # truncating: operands are >= 0
-      r = last - lap * ring
-      p = j + ring * (lap - (j > r).astype(jnp.int32))
-      return jnp.where(n > 0, p, -1)
-
     q = q_ref[0, 0]  # [R, H]
     q_pos = q_pos_ref[0]  # [R, 1]
     k, v = k_ref[0, 0], v_ref[0, 0]  # [C, H]
@@ -78,10 +66,9 @@ def _kernel(rows_ref, start_ref, length_ref, q_pos_ref, q_ref, k_ref, v_ref, *re
       k, v = _dequantize(k, ks_ref[0, 0], q.dtype), _dequantize(v, vs_ref[0, 0], q.dtype)
     s = jax.lax.dot_general(q, k.astype(q.dtype), (((1,), (1,)), ((), ())),
                             preferred_element_type=jnp.float32)  # [R, C]
-    if softcap is not None:
-      s = jnp.tanh(s / softcap) * softcap
+    s = capped(s, softcap)
     j = c * block + jax.lax.broadcasted_iota(jnp.int32, (1, block), 1)
-    k_pos = positions(j)  # [1, C]
+    k_pos = held_position(j, n, ring)  # [1, C]
     visible = (k_pos >= 0) & (k_pos <= q_pos) & (j < length)
     if window is not None:
       visible &= q_pos - k_pos < window

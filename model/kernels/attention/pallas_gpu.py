@@ -10,8 +10,8 @@ the cache's length (the TPU kernel lowered for GPU staged whole blocks and overf
 
 Triton's shapes are powers of two and a dot's sides at least 16: the query rows (G heads x T
 queries of one kv head) are padded to that, the padding masked. Positions follow from each row's
-length as in `pallas.py` (entry j of a global layer holds position j; a ring of W, the latest p <
-length with p % W == j). An int8 cache is not handled here (`attention.attention_pallas` says so).
+length as in `pallas.py` (`block.held_position`). An int8 cache is not handled here
+(`attention.attention_pallas` says so).
 Interpret mode runs it on CPU for tests; `jaxgen plan --target gpu-h100-1 --attention-impl pallas`
 compiles it for an H100 without one.
 """
@@ -22,9 +22,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+from jaxgen.model.kernels.attention.block import capped, held_position
 from jaxgen.model.layers import NEG_INF
 
 BLOCK_GPU = 64  # cache entries per loop iteration
@@ -39,15 +39,6 @@ def _kernel(rows_ref, start_ref, length_ref, q_pos_ref, q_ref, k_ref, v_ref, m_i
   q = q_ref[...]  # [R, H]
   q_pos = q_pos_ref[...][:, None]  # [R, 1]; padding rows hold -1 and see nothing
 
-  def positions(idx):
-    if ring is None:
-      return jnp.where(idx < n, idx, -1)
-    last = jnp.maximum(n - 1, 0)
-    lap = jax.lax.div(last, np.int32(ring))
-    r = last - lap * ring
-    p = idx + ring * (lap - (idx > r).astype(jnp.int32))
-    return jnp.where(n > 0, p, -1)
-
   def body(c, carry):
     m_prev, l_prev, acc_prev = carry
     idx = c * block + jnp.arange(block, dtype=jnp.int32)  # [C]
@@ -55,9 +46,8 @@ def _kernel(rows_ref, start_ref, length_ref, q_pos_ref, q_ref, k_ref, v_ref, m_i
     k = plgpu.load(k_ref.at[row, j, pl.ds(c * block, block), :], mask=inside[:, None], other=0.0)
     v = plgpu.load(v_ref.at[row, j, pl.ds(c * block, block), :], mask=inside[:, None], other=0.0)
     s = plgpu.dot(q, k.astype(q.dtype).T)  # [R, C] float32
-    if softcap is not None:
-      s = jnp.tanh(s / softcap) * softcap
-    k_pos = positions(idx)[None, :]
+    s = capped(s, softcap)
+    k_pos = held_position(idx, n, ring)[None, :]
     visible = (k_pos >= 0) & (k_pos <= q_pos) & (idx < length)[None, :]
     if window is not None:
       visible &= q_pos - k_pos < window
