@@ -34,7 +34,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxgen import targets
 from jaxgen.checkpoints import gguf, hf, source
-from jaxgen.decode import speculative
+from jaxgen.decode import speculative, structured
 from jaxgen.decode.config import EngineConfig, check_sizes
 from jaxgen.decode.prefix import BLOCK
 from jaxgen.decode.steps import Programs, memory_plan, state_axes, state_shardings, store_shardings
@@ -269,6 +269,8 @@ def program_args(config: EngineConfig, programs: Programs, params, state, store)
   arr = lambda dtype, *shape: jax.ShapeDtypeStruct(shape, dtype, sharding=rep)  # noqa: E731
   i32, flag = functools.partial(arr, jnp.int32), arr(jnp.bool_)
   row = jax.tree.map(lambda a: arr(a.dtype, 1, *a.shape[1:]), state.sampler.params)
+  words = structured.words(config.model.vocab_size)
+  masks = lambda r: (i32(r, words), arr(jnp.bool_, r))  # noqa: E731  (grammar masks, rows constrained)
   k = 0 if config.speculative is None else config.speculative.k
   save_blocks, restore_blocks = config.save_blocks, config.restore_blocks
   for name, *shape in config.programs:
@@ -282,7 +284,7 @@ def program_args(config: EngineConfig, programs: Programs, params, state, store)
     elif name == "sample":
       r = shape[0]
       yield (f"sample_{r}", programs.sample,
-             (state, arr(jnp.float32, r, config.model.vocab_size), i32(r), arr(jnp.bool_, r), flag), 0)
+             (state, arr(jnp.float32, r, config.model.vocab_size), i32(r), arr(jnp.bool_, r), flag, *masks(r)), 0)
     elif name == "fork":
       yield "fork", programs.fork, (state, i32(), i32(), row, i32()), 0
     elif name == "move":
@@ -291,7 +293,8 @@ def program_args(config: EngineConfig, programs: Programs, params, state, store)
       yield f"logits_{shape[0]}", programs.logits, (params, i32(1, shape[0])), shape[0]
     elif name == "verify":
       r = shape[0]
-      yield f"verify_{r}", programs.verify, (params, state, arr(jnp.bool_, r), i32(r, k), i32(r), flag), r * (k + 1)
+      yield (f"verify_{r}", programs.verify, (params, state, arr(jnp.bool_, r), i32(r, k), i32(r), flag, *masks(r)),
+             r * (k + 1))
     elif name == "save":
       yield "prefix_save", programs.save, (state, store, i32(), i32(), i32(save_blocks)), 0
     elif name == "restore":

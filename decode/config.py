@@ -133,8 +133,9 @@ class EngineConfig:
   @property
   def reads_first(self) -> bool:
     """Whether a step must read the sampled tokens back before it schedules: speculation makes its
-    proposals from the latest tokens. (A feature that needs them, such as a grammar's token mask,
-    says so here.) Otherwise a step dispatches before it reads the previous one's results."""
+    proposals from the latest tokens. Otherwise a step dispatches before it reads the previous
+    one's results (a grammar's mask needs them only for the draw, which waits alone:
+    `Runner.draw`)."""
     return self.speculative is not None
 
   @property

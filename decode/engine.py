@@ -6,7 +6,8 @@
 
 One `step()` dispatches this step's work, then reads back the previous step's results while the
 device runs it (dispatch before read): a row that finished in step k still computes in step k+1,
-and that token is discarded. Two features read first. Speculation makes its proposals from the
+and that token is discarded. A row held to a grammar draws after that read (its mask needs the
+token before), while the device runs the step's forward pass (`Runner.draw`). Two features read first. Speculation makes its proposals from the
 latest tokens, so a speculative engine reads everything before it schedules. And a decode program
 never run before would hold this step's first tokens back by its build (a trace and a compile, or
 a load from the cache): the prefills' results are read first and the decode waits a step.
@@ -52,8 +53,8 @@ class Engine:
     self.scheduler = Scheduler(config, self.stats)
     self.runner = Runner(config, model, draft_model)
     k = 0 if config.speculative is None else config.speculative.k
-    self.processor = OutputProcessor(tokenizer, self.scheduler, self.stats, max_len=config.max_len, spec_k=k,
-                                     seed=config.seed)
+    self.processor = OutputProcessor(tokenizer, self.scheduler, self.stats, max_len=config.max_len,
+                                     vocab_size=config.model.vocab_size, spec_k=k, seed=config.seed)
     self.requests: dict[str, object] = {}
     self._in_flight: collections.deque = collections.deque()
     self._aborted: list = []  # aborted since the last step, reported by the next
@@ -87,7 +88,7 @@ class Engine:
 
   def check_request(self, prompt: str | Sequence[int], params: SamplingParams) -> tuple[str | None, list[int]]:
     """The checks of `add_request`, changing nothing (a server runs them on its own thread)."""
-    return check_request(self.config, self.tokenizer, prompt, params)
+    return check_request(self.config, self.tokenizer, prompt, params, self.processor.grammars)
 
   def abort(self, request_id: str) -> None:
     """Ends a request (finish_reason "abort", with what it produced); unknown or finished ids are ignored."""
@@ -124,6 +125,7 @@ class Engine:
     # new went out (or the first tokens wait on a decode build), read everything.
     keep = len(flights) if flights and not first_build else 0
     self._read(len(self._in_flight) - keep, updated)
+    self.runner.draw_pending(self._in_flight)  # draws held for grammar masks: the tokens before are read
     outs = []
     for req in updated.values():
       if req.finished:
@@ -179,11 +181,16 @@ class Engine:
     return engine_stats.snapshot(self.config, self.stats, self.scheduler)
 
 
-def check_request(config: EngineConfig, tokenizer, prompt: str | Sequence[int],
-                  params: SamplingParams) -> tuple[str | None, list[int]]:
+def check_request(config: EngineConfig, tokenizer, prompt: str | Sequence[int], params: SamplingParams,
+                  grammars=None) -> tuple[str | None, list[int]]:
   """(text or None, prompt token ids) of a request an engine of `config` can serve; a ValueError
-  naming what is wrong (the argument, its value, the limit) otherwise."""
+  naming what is wrong (the argument, its value, the limit) otherwise. A structured-output
+  constraint is compiled by `grammars` (and cached), so a bad one is refused here."""
   params.validate(config.model.vocab_size)
+  if getattr(params, "structured_outputs", None) is not None:
+    if grammars is None:
+      raise ValueError("SamplingParams.structured_outputs: this caller compiles no grammars")
+    grammars.compile(params.structured_outputs)
   if isinstance(prompt, str):
     text, ids = prompt, tokenizer.encode(prompt, add_special_tokens=True)
   elif isinstance(prompt, (Sequence, np.ndarray)):

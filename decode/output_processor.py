@@ -9,10 +9,12 @@ handed out token by token, so a stop inside it drops the rest. Outputs are built
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from typing import TYPE_CHECKING
 
+from jaxgen.decode import structured
 from jaxgen.decode.outputs import Logprob, RequestMetrics
 from jaxgen.decode.requests import Request, Sample
 from jaxgen.decode.text import IncrementalDetokenizer, find_stop, holdback
@@ -22,15 +24,25 @@ if TYPE_CHECKING:
   from jaxgen.decode.scheduler import Scheduler
   from jaxgen.decode.stats import Stats
 
+log = logging.getLogger(__name__)
+
 _SAMPLE_SEED_STRIDE = 0x9E3779B97F4A7C15  # sample i of a request uses seed + i * stride (mod 2**64)
 
 
 class OutputProcessor:
-  def __init__(self, tokenizer, scheduler: Scheduler, stats: Stats, *, max_len: int, spec_k: int = 0,
-               seed: int | None = None):
+  def __init__(self, tokenizer, scheduler: Scheduler, stats: Stats, *, max_len: int, vocab_size: int,
+               spec_k: int = 0, seed: int | None = None):
     self.tokenizer, self.scheduler, self.stats = tokenizer, scheduler, stats
-    self.max_len, self.spec_k = max_len, spec_k
+    self.max_len, self.vocab_size, self.spec_k = max_len, vocab_size, spec_k
     self._host_rng = random.Random(seed)  # seeds of requests without one
+    self._grammars: structured.Grammars | None = None
+
+  @property
+  def grammars(self) -> structured.Grammars:
+    """Structured-output constraints compiled against the current tokenizer (cached)."""
+    if self._grammars is None or self._grammars.tokenizer is not self.tokenizer:
+      self._grammars = structured.Grammars(self.tokenizer, self.vocab_size)
+    return self._grammars
 
   def request(self, rid: str, text: str | None, ids: list[int], params) -> Request:
     """A new request's host state: its samples, their seeds and detokenizers."""
@@ -40,11 +52,14 @@ class OutputProcessor:
     req = Request(rid, text, ids, params, max_tokens, stop_ids, RequestMetrics(time.perf_counter(), len(ids)))
     base_seed = params.seed if params.seed is not None else self._host_rng.getrandbits(64)
     want = params.logprobs is not None
+    constraint = getattr(params, "structured_outputs", None)
+    template = None if constraint is None else self.grammars.compile(constraint)
     for i in range(params.n):
       seed = (base_seed + i * _SAMPLE_SEED_STRIDE) % 2**64
       detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
       req.samples.append(Sample(req, i, seed, detok, logprobs=[] if want else None,
-                                cumulative_logprob=0.0 if want else None))
+                                cumulative_logprob=0.0 if want else None,
+                                grammar=None if template is None else structured.start(template)))
     return req
 
   def process(self, result: RunnerOutput) -> list[Request]:
@@ -121,6 +136,11 @@ class OutputProcessor:
       sample.full_text += sample.detok.flush()
       sample.text = sample.full_text
       return self.finish(sample, "stop", token)
+    grammar = sample.grammar
+    if grammar is not None and not grammar.consume_token(token):
+      # Only a row whose mask allowed nothing can draw a token its grammar refuses.
+      log.warning("request %s: its grammar refused token %d (%s)", req.id, token, grammar.get_error())
+      return self.finish(sample, "abort", None)
     delta = sample.detok.add(token)
     sample.full_text += delta
     if p.stop and may_stop and delta:
@@ -129,6 +149,10 @@ class OutputProcessor:
         i, s = hit
         sample.text = sample.full_text[:i + len(s)] if p.include_stop_str_in_output else sample.full_text[:i]
         return self.finish(sample, "stop", s)
+    if grammar is not None and grammar.is_stopped():  # the structure is complete: nothing may follow
+      sample.full_text += sample.detok.flush()
+      sample.text = sample.full_text
+      return self.finish(sample, "stop", None)
     if n >= req.max_tokens:
       sample.full_text += sample.detok.flush()
       sample.text = sample.full_text

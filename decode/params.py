@@ -13,6 +13,7 @@ from typing import Iterable, Sequence
 import numpy as np
 from jaxgen.decode.requests import OUTPUT_KINDS
 from jaxgen.decode.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_IDS, RowParams
+from jaxgen.decode.structured import StructuredOutputsParams
 
 FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 
@@ -33,6 +34,8 @@ class SamplingParams:
   output_kind (vLLM's RequestOutputKind): what each output of a running request holds:
   "cumulative" everything so far, "delta" only what is new since the last one, "final_only" no
   output until the request finishes.
+  structured_outputs: a `StructuredOutputsParams` (or a dict of its fields): the output is held
+  to a JSON schema, a regex, a choice or a grammar (`decode.structured`).
   """
 
   n: int = 1
@@ -54,8 +57,15 @@ class SamplingParams:
   skip_special_tokens: bool = True
   logprobs: int | None = None
   output_kind: str = "cumulative"
+  structured_outputs: StructuredOutputsParams | None = None
 
   def __post_init__(self):
+    if isinstance(self.structured_outputs, dict):
+      known = {f.name for f in dataclasses.fields(StructuredOutputsParams)}
+      unknown = sorted(set(self.structured_outputs) - known)
+      if unknown:
+        raise ValueError(f"SamplingParams.structured_outputs has unknown fields {unknown}; known: {sorted(known)}")
+      self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
     if isinstance(self.stop, str):
       self.stop = [self.stop]
     self.stop = list(self.stop or [])
@@ -104,6 +114,8 @@ class SamplingParams:
       bad("stop", self.stop, "stop strings must be non-empty")
     if self.output_kind not in OUTPUT_KINDS:
       bad("output_kind", self.output_kind, f"must be one of {', '.join(OUTPUT_KINDS)}")
+    if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+      bad("structured_outputs", self.structured_outputs, "must be a StructuredOutputsParams (or a dict of its fields)")
     if self.seed is not None and not 0 <= self.seed < 2**64:
       bad("seed", self.seed, "must be in [0, 2**64)")
     if vocab_size is not None:

@@ -9,6 +9,7 @@ their first entries (`outputs.Prefix`): taking one costs the same at token 10 an
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from jaxgen.decode.outputs import CompletionOutput, Prefix, RequestMetrics, RequestOutput
 from jaxgen.decode.speculative import RowSpec
@@ -34,6 +35,7 @@ class Sample:
   stop_reason: int | str | None = None
   slot: int | None = None
   spec: RowSpec = dataclasses.field(default_factory=RowSpec)
+  grammar: Any = None  # its structured output's matcher (`decode.structured`), walked with each token
   sent_tokens: int = 0  # delta outputs: tokens and characters already handed out
   sent_chars: int = 0
 

@@ -10,6 +10,11 @@ results while the device runs this one.
 Warm-up runs `EngineConfig.programs`, so what `program_count` says and what compiles are one list.
 `build_decode_ahead` starts the first decode program's build on a thread so a start can overlap it
 with parsing the tokenizer.
+
+A row held to a grammar (`decode.structured`) draws with its mask, which depends on the token drawn
+the step before. So a decode step with such a row dispatches its forward pass and leaves the draw
+`pending`: the engine reads the previous step back (the matchers take its tokens) while the device
+runs the forward pass, then `draw` computes the masks and dispatches the sampler.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
-from jaxgen.decode import compiles, draft
+from jaxgen.decode import compiles, draft, structured
 from jaxgen.decode.config import EngineConfig
 from jaxgen.decode.params import SamplingParams, row_params
 from jaxgen.decode.prefix_index import BLOCK
@@ -51,6 +56,7 @@ class InFlight:
   accepted: Any = None  # verify: accepted proposals per row (on the device)
   counts: np.ndarray | None = None  # verify: proposals per row
   ready: Any = None  # without `out`: an output of the program (not one a later dispatch donates), to wait for
+  pending: Any = None  # a decode step's draw waiting for its rows' grammar masks: (logits, took, want)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +109,7 @@ class Runner:
     out = self.state.cache.lengths.sharding if mesh is None else rules.replicated(mesh)
     self._place = lambda x: jax.device_put(x, out)
     self._take = self._place(np.full(1, True))  # a prompt's last chunk: its row keeps the draw
+    self._unconstrained: dict[int, tuple] = {}  # rows -> placed (mask, constrained) of rows without a grammar
     self.built: set[int] = set()  # row buckets whose decode (or verify) program has run
     self.ahead: threading.Thread | None = None  # `build_decode_ahead`'s build, until waited for
     self._last_ready = time.perf_counter()
@@ -145,7 +152,7 @@ class Runner:
       return InFlight("prefill", None, [], t0, waited + compiles.seconds() - c0, op.n, ready=logits)
     want = op.sample.req.params.logprobs is not None
     self.state, out = self.programs.sample(self.state, logits, np.array([op.slot], np.int32), self._take,
-                                           np.bool_(want))
+                                           np.bool_(want), *self.masks([(0, op.sample)], 1))
     return InFlight("prefill", out, [(0, op.sample)], t0, waited + compiles.seconds() - c0, op.n)
 
   def _decode(self, d: Decode, stats: Stats) -> InFlight:
@@ -155,19 +162,57 @@ class Runner:
     waited = time.perf_counter() - t0  # a build ahead still compiling: compile time to the metrics
     c0 = compiles.seconds()  # a draft's work counts as decode time
     want = np.bool_(d.want_logprobs)
+    rows = [(s.slot, s) for s in d.samples]
+    pending = None
     if not d.verify:
       self.state, logits, took = self.programs.decode(self.params, self.state, d.active)
-      self.state, out = self.programs.sample(self.state, logits, np.arange(d.rows, dtype=np.int32), took, want)
-      accepted = None
+      out = accepted = None
+      if self.config.reads_first or not any(s.grammar is not None for s in d.samples):
+        self.state, out = self.programs.sample(self.state, logits, np.arange(d.rows, dtype=np.int32), took, want,
+                                               *self.masks(rows, d.rows))
+      else:  # the masks need the previous step's tokens: `draw` once they are read
+        pending = (logits, took, want)
     else:
       proposals = d.proposals
       if d.asks:
         proposals = self._draft(d)
-      self.state, out, accepted = self.programs.verify(self.params, self.state, d.active, proposals, d.counts, want)
+      self.state, out, accepted = self.programs.verify(self.params, self.state, d.active, proposals, d.counts, want,
+                                                       *self.masks(rows, d.rows))
     stats.decode_rows[d.rows] += 1
     self.built.add(d.rows)
-    return InFlight("decode", out, [(s.slot, s) for s in d.samples], t0, waited + compiles.seconds() - c0,
-                    accepted=accepted, counts=d.counts)
+    return InFlight("decode", out, rows, t0, waited + compiles.seconds() - c0, accepted=accepted, counts=d.counts,
+                    pending=pending)
+
+  def draw_pending(self, flights) -> None:
+    """Dispatches the draws among `flights` held for grammar masks (`draw`)."""
+    for f in flights:
+      if f.pending is not None:
+        self.draw(f)
+
+  def draw(self, f: InFlight) -> None:
+    """Dispatches a decode step's pending draw with its rows' grammar masks as they are now: once
+    the step before is read, before any other program is dispatched."""
+    logits, took, want = f.pending
+    f.pending = None
+    c0 = compiles.seconds()
+    self.state, f.out = self.programs.sample(self.state, logits, np.arange(len(took), dtype=np.int32), took, want,
+                                             *self.masks(f.rows, len(took)))
+    f.compile_s += compiles.seconds() - c0
+
+  def masks(self, rows: list, width: int) -> tuple:
+    """(mask int32 [width, V/32], constrained bool [width]) for a draw over `width` rows, placed:
+    the grammar masks of the samples among `rows` [(row, Sample)] that have one (computed from
+    their matchers now), or one constant per width when none has."""
+    held = [(r, s.grammar) for r, s in rows if s.grammar is not None and not s.done]
+    if not held:
+      if width not in self._unconstrained:
+        words = structured.words(self.config.model.vocab_size)
+        self._unconstrained[width] = (self._place(np.zeros((width, words), np.int32)),
+                                      self._place(np.zeros(width, np.bool_)))
+      return self._unconstrained[width]
+    constrained = np.zeros(width, np.bool_)
+    constrained[[r for r, _ in held]] = True
+    return self._place(structured.masks(held, width, self.config.model.vocab_size)), self._place(constrained)
 
   def _draft(self, d: Decode) -> np.ndarray:
     """The scheduler's proposals with the draft model's filled in for the rows it asked about."""
@@ -184,7 +229,10 @@ class Runner:
     return proposals
 
   def read(self, f: InFlight) -> RunnerOutput:
-    """Waits for one dispatch's results and brings them to the host."""
+    """Waits for one dispatch's results and brings them to the host (a pending draw is dispatched
+    first: every dispatch before it was read)."""
+    if f.pending is not None:
+      self.draw(f)
     if f.out is None:  # a prompt's earlier chunk: nothing drawn
       jax.block_until_ready(f.ready)
       tokens = np.zeros(0, np.int32)
@@ -211,7 +259,8 @@ class Runner:
       self.state, logits = self.programs.prefill(self.params, self.state, tokens, np.array([n], np.int32),
                                                  np.array([slot], np.int32), row, fresh=start == 0)
       start += n
-    self.state, out = self.programs.sample(self.state, logits, np.array([slot], np.int32), self._take, np.bool_(False))
+    self.state, out = self.programs.sample(self.state, logits, np.array([slot], np.int32), self._take, np.bool_(False),
+                                           *self.masks([], 1))
     return out.tokens
 
   def decode_rows(self, rows: int):
@@ -220,7 +269,8 @@ class Runner:
     active = np.zeros(bucket(rows, self.config.row_buckets), np.bool_)
     active[:rows] = True
     self.state, logits, took = self.programs.decode(self.params, self.state, active)
-    self.state, out = self.programs.sample(self.state, logits, np.arange(len(active), dtype=np.int32), took, np.bool_(False))
+    self.state, out = self.programs.sample(self.state, logits, np.arange(len(active), dtype=np.int32), took,
+                                           np.bool_(False), *self.masks([], len(active)))
     return out.tokens
 
   # -------------------------------------------------------------------------------- compiling
@@ -285,11 +335,12 @@ class Runner:
       elif name == "sample":
         rows = shape[0]
         self.state, _ = p.sample(self.state, self._place(np.zeros((rows, self.config.model.vocab_size), np.float32)),
-                                 np.arange(rows, dtype=np.int32), self._place(np.zeros(rows, np.bool_)), np.bool_(False))
+                                 np.arange(rows, dtype=np.int32), self._place(np.zeros(rows, np.bool_)), np.bool_(False),
+                                 *self.masks([], rows))
       elif name == "verify":
         rows = shape[0]
         self.state, *_ = p.verify(self.params, self.state, np.zeros(rows, np.bool_), np.zeros((rows, k), np.int32),
-                                  np.zeros(rows, np.int32), np.bool_(False))
+                                  np.zeros(rows, np.int32), np.bool_(False), *self.masks([], rows))
       elif name == "fork":
         self.state = p.fork(self.state, np.int32(0), np.int32(slots - 1), row, np.int32(0))
       elif name == "move":

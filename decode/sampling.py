@@ -1,6 +1,7 @@
 """On-device sampling with per-row parameters as data: one compiled program serves any mix.
 
-Order of operations (vLLM's): raw logits -> logit_bias, min_tokens (stop ids banned) ->
+Order of operations (vLLM's): raw logits -> a grammar's token mask (`decode.structured`) ->
+logit_bias, min_tokens (stop ids banned) ->
 repetition / presence / frequency penalties -> greedy rows take argmax here ->
 temperature -> min_p -> top_k -> top_p -> one draw by inverse CDF.
 
@@ -212,8 +213,24 @@ def _draw(scaled: jax.Array, p: RowParams, u: jax.Array) -> jax.Array:
   return jnp.where(covered, from_cand, from_full)
 
 
+def unpack_mask(mask: jax.Array, v: int) -> jax.Array:
+  """Packed token masks int32 [B, ceil(V/32)] (bit j of word w: token 32 w + j) -> bool [B, V]."""
+  bits = jnp.right_shift(mask[:, :, None], jnp.arange(32, dtype=jnp.int32)) & 1
+  return bits.reshape(mask.shape[0], -1)[:, :v] != 0
+
+
+def constrain(logits: jax.Array, mask: jax.Array, constrained: jax.Array) -> jax.Array:
+  """logits [B, V] with the tokens a constrained row's mask [B, V/32] disallows at NEG_INF. A batch
+  without a constrained row skips the unpacking (one program either way)."""
+  def apply(x):
+    return jnp.where(constrained[:, None] & ~unpack_mask(mask, x.shape[1]), NEG_INF, x)
+
+  return jax.lax.cond(jnp.any(constrained), apply, lambda x: x, logits)
+
+
 def sample(logits: jax.Array, state: SamplerState, positions: jax.Array, want_logprobs: jax.Array,
-           rows: jax.Array | None = None) -> SampleOut:
+           rows: jax.Array | None = None, mask: jax.Array | None = None,
+           constrained: jax.Array | None = None) -> SampleOut:
   """Draws one token per row. logits [B, V] float32; positions [B]: position of the new token.
 
   state: the rows' parameters and tokens [B]; its seen_prompt and out_counts may hold more rows
@@ -222,11 +239,14 @@ def sample(logits: jax.Array, state: SamplerState, positions: jax.Array, want_lo
   want_logprobs: bool scalar, whether any row asked for logprobs (skips the top-N otherwise).
   rows: [B] the row of seen_prompt / out_counts each sampled row reads (a verify step samples
   several positions of one row); default the first B.
+  mask, constrained: packed allowed tokens int32 [B, ceil(V/32)] of the rows with constrained [B]
+  (a grammar's next tokens); other rows' masks are not read.
   """
   p = state.params
   b = logits.shape[0]
   generated = positions - p.prompt_len
-  x = _bias_and_bans(logits, p, generated)
+  x = logits if mask is None else constrain(logits, mask, constrained)
+  x = _bias_and_bans(x, p, generated)
   needs_pen = jnp.any((p.repetition_penalty != 1.0) | (p.presence_penalty != 0.0) | (p.frequency_penalty != 0.0))
   def pen(x):
     if rows is None:

@@ -179,7 +179,10 @@ class Scheduler:
     self._saves = []
     self._admit(ops)
     self._compact(ops)
-    running = tuple(s for s in self.slots if s is not None and s.running)
+    # A constrained row whose prompt ends in this step draws its second token next step: that
+    # draw's grammar mask needs the first token, which this step's prefill draws.
+    drawing = {op.sample for op in ops if isinstance(op, Prefill) and op.final and op.sample.grammar is not None}
+    running = tuple(s for s in self.slots if s is not None and s.running and s not in drawing)
     if not running:
       return SchedulerOutput(tuple(ops), None)
     rows = bucket(max(s.slot for s in running) + 1, self.config.row_buckets)
@@ -318,6 +321,8 @@ class Scheduler:
       if (p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty or len(out) < p.min_tokens
           or not s.spec.wants()):
         continue  # draws after the first would not see the tokens before them in the penalties
+      if s.grammar is not None:
+        continue  # nor the grammar's masks after the proposals: a constrained row decodes plainly
       held = len(s.req.prompt_ids) + len(out) - 1  # the last sampled token is fed by this step
       room = min(cfg.k, max_len - held - 1, s.req.max_tokens - len(out) - 1)
       if room < 1:

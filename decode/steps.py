@@ -11,9 +11,11 @@ and reads back only the sampled ids (and logprobs when asked).
 - `decode_step(params, state, active [R])`: feeds every active row among the lowest R slots (R a
   row bucket) its next token and returns their logits: a step costs what its rows cost, not what
   the slots do.
-- `sample_rows(state, logits [R, V], rows [R], take [R], want_logprobs)`: draws each row's next
-  token (`decode.sampling`), one program per row count for prefill and decode alike.
-- `verify(params, state, active [R], proposals [R, k], counts [R], want_logprobs)`: speculative
+- `sample_rows(state, logits [R, V], rows [R], take [R], want_logprobs, mask [R, V/32],
+  constrained [R])`: draws each row's next token (`decode.sampling`), a constrained row among the
+  tokens its grammar allows; one program per row count for prefill and decode alike.
+- `verify(params, state, active [R], proposals [R, k], counts [R], want_logprobs, mask,
+  constrained)`: speculative
   decoding's step: each active row is fed its next token and its first counts[r] proposals in one
   pass (T = k + 1), samples every position as a decode step would, keeps the longest run of
   proposals equal to its own samples plus the sample after it, and rolls back by length.
@@ -140,9 +142,10 @@ def decode_step(graphdef, params, state: DecodeState, active, *, limit: int | No
   return DecodeState(cache, s.replace(out_counts=out_counts)), logits, count > 0
 
 
-def sample_rows(state: DecodeState, logits, rows, take, want_logprobs):
+def sample_rows(state: DecodeState, logits, rows, take, want_logprobs, mask, constrained):
   """Draws the next token of slots `rows` [R] from their logits [R, V], at their current lengths
-  (the position the drawn token will take); a row with take[r] keeps it as its next token.
+  (the position the drawn token will take); a row with take[r] keeps it as its next token, a row
+  with constrained[r] draws among the tokens its mask [R, ceil(V/32)] allows.
 
   Its own program, one per row count, shared by every prefill bucket and the decode step of that
   many rows: the sampler is a large part of each program's compile time, and dispatching it apart
@@ -151,12 +154,12 @@ def sample_rows(state: DecodeState, logits, rows, take, want_logprobs):
   s = state.sampler
   params = jax.tree.map(lambda a: a[rows], s.params)
   out = sample(logits, SamplerState(params, s.tokens[rows], s.seen_prompt, s.out_counts), state.cache.lengths[rows],
-               want_logprobs, rows=rows)
+               want_logprobs, rows=rows, mask=mask, constrained=constrained)
   tokens = s.tokens.at[rows].set(jnp.where(take, out.tokens, s.tokens[rows]), unique_indices=True)
   return DecodeState(state.cache, s.replace(tokens=tokens)), out
 
 
-def verify_step(graphdef, params, state: DecodeState, active, proposals, counts, want_logprobs, *,
+def verify_step(graphdef, params, state: DecodeState, active, proposals, counts, want_logprobs, mask, constrained, *,
                 limit: int | None, platform: Platform):
   """Feeds each active row among the lowest R its next token and counts[r] <= k proposals.
 
@@ -166,7 +169,8 @@ def verify_step(graphdef, params, state: DecodeState, active, proposals, counts,
   plain decoding would: for a proposal that is one fixed token this is the rejection rule of
   Leviathan et al., exact by construction, independent of k and of the proposals. Rows must have
   no penalties nor unmet min_tokens when counts[r] > 0 (draws after the first see the counts as
-  they were), and room for counts[r] + 1 tokens. Returns (state, SampleOut over [R * (k + 1)]
+  they were), and room for counts[r] + 1 tokens. A constrained row (mask [R, V/32]) proposes
+  nothing: its mask holds for its first position. Returns (state, SampleOut over [R * (k + 1)]
   positions, accepted [R]).
   """
   model = nnx.merge(graphdef, params)
@@ -187,7 +191,7 @@ def verify_step(graphdef, params, state: DecodeState, active, proposals, counts,
   flat = jax.tree.map(lambda a: jnp.repeat(a[:r], t, axis=0), s.params)
   rows = jnp.repeat(jnp.arange(r), t)
   out = sample(logits, SamplerState(flat, fed.reshape(-1), s.seen_prompt, out_counts), (positions + 1).reshape(-1),
-               want_logprobs, rows=rows)
+               want_logprobs, rows=rows, mask=jnp.repeat(mask, t, axis=0), constrained=jnp.repeat(constrained, t))
   drawn = out.tokens.reshape(r, t)
   match = (drawn[:, :k] == proposals) & (jnp.arange(k)[None, :] < jnp.minimum(counts, n - 1)[:, None])
   accepted = jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1)  # [R]
@@ -266,11 +270,11 @@ class Programs:
     }
     self.decode = jax.jit(functools.partial(decode_step, graphdef, limit=full_capacity(cfg, spec), platform=platform),
                           donate_argnums=(1,), **kw(1, outputs=2))
-    self.sample = self._state_update(sample_rows, 4, outputs=1)
+    self.sample = self._state_update(sample_rows, 6, outputs=1)
     self.verify = None
     if spec.slack:
       self.verify = jax.jit(functools.partial(verify_step, graphdef, limit=full_capacity(cfg, spec), platform=platform),
-                            donate_argnums=(1,), **kw(4, outputs=2))
+                            donate_argnums=(1,), **kw(6, outputs=2))
     self.fork = self._state_update(fork, 4)
     self.move = self._state_update(move, 2)
     logits_kw = {}

@@ -77,7 +77,7 @@ def rooms(slots=4, max_len=128, chunk=32, budget=None, prefix_tokens=None, **cfg
                                 prefix_cache_tokens=prefix_tokens)
   stats = Stats()
   scheduler = Scheduler(config, stats)
-  processor = OutputProcessor(ToyTokenizer(cfg.vocab_size), scheduler, stats, max_len=max_len, seed=0)
+  processor = OutputProcessor(ToyTokenizer(cfg.vocab_size), scheduler, stats, max_len=max_len, vocab_size=cfg.vocab_size, seed=0)
   return config, scheduler, processor, FakeRunner(config)
 
 
@@ -230,7 +230,7 @@ def _long_request(length: int):
   config = EngineConfig.resolve(cfg, "float32", max_batch=1, max_len=max_len, enable_prefix_caching=False)
   sched = Scheduler(config, Stats())
   tok = ToyTokenizer(cfg.vocab_size)
-  proc = OutputProcessor(tok, sched, sched.stats, max_len=max_len, seed=0)
+  proc = OutputProcessor(tok, sched, sched.stats, max_len=max_len, vocab_size=cfg.vocab_size, seed=0)
   req = proc.request("l", None, [3, 4], SamplingParams(max_tokens=max_len - 3, logprobs=2, ignore_eos=True))
   sched.add(req)
   sample = req.samples[0]

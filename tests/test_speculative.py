@@ -4,6 +4,7 @@ is the target's; stops inside an accepted run and max_tokens hold; nothing compi
 
 from __future__ import annotations
 
+import json
 import math
 import random
 
@@ -291,21 +292,27 @@ def test_a_real_draft_checkpoint_of_another_architecture():
 @pytest.mark.slow
 def test_embedded_model_self_drafting_int8_is_token_for_token_plain(llm, golden):
   """Gemma 3 270M drafting for itself with int8 weights, on the golden prompts (one 1,177 tokens
-  long: rings of 512 wrapped) greedy, all in one batch with two seeded rows: every row equals plain
-  decoding token for token, and most proposals are accepted. (The n-gram proposer and rows alone
-  are the tiny models' tests; verify is one program whatever proposes.)"""
+  long: rings of 512 wrapped) greedy, all in one batch with two seeded rows and a row held to a
+  JSON schema (it does not propose; its mask holds in verify): every row equals plain decoding
+  token for token, and most proposals are accepted. (The n-gram proposer and rows alone are the
+  tiny models' tests; verify is one program whatever proposes.)"""
   prompts = [g["ids"].tolist() for g in golden.values()]
   greedy = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
   seeded = SamplingParams(max_tokens=32, temperature=0.7, seed=9, ignore_eos=True)
-  params = [greedy] * len(prompts) + [seeded] * 2
-  plain = llm.generate(prompts + prompts[:2], params, use_tqdm=False)
+  schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}}, "required": ["name"],
+            "additionalProperties": False}
+  held = SamplingParams(max_tokens=32, temperature=0.0, structured_outputs={"json": schema})
+  params = [greedy] * len(prompts) + [seeded] * 2 + [held]
+  prompts = prompts + prompts[:2] + ["A person as JSON:"]
+  plain = llm.generate(prompts, params, use_tqdm=False)
   config = speculative.parse(dict(DRAFT, quantization="int8"))
   model = draft.load(config, llm.model, None, llm.tokenizer, "float32")
   assert model.cfg.weight_quant == "int8"
   eng = Engine(llm.model, llm.tokenizer, max_batch=8, max_len=1536, prefill_chunk=256, platform=llm.platform,
                speculative_config=config, draft_model=model, seed=0)
-  for x, y in zip(run(eng, prompts + prompts[:2], params), plain):
+  for x, y in zip(run(eng, prompts, params), plain):
     assert x.token_ids == y.token_ids
+  assert json.loads(plain[-1].outputs[0].text)["name"] and plain[-1].outputs[0].finish_reason == "stop"
   m = eng.metrics()
   # Measured 0.685 (the seeded rows draw at temperature 0.7 and accept fewer greedy proposals); a
   # draft that proposed at random would be accepted about 1 time in 262,144.
