@@ -44,7 +44,7 @@ from jaxgen.serve.protocol import (
   Responder,
   check_context,
   invalid,
-  refuse_unsupported,
+  output_constraint,
   sampling_params,
 )
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -135,15 +135,15 @@ def create_app(llm: LLM, *, model_name: str = EMBEDDED_NAME, max_queue: int = 25
     authorize(request)
     req = await _parse(request, CompletionRequest, max_body_bytes)
     _check_model(req.model, model_name)
-    refuse_unsupported(req)
+    constraint = output_constraint(req)
     if req.echo:
       raise ApiError(400, "echo=true is not supported", "echo")
     if req.suffix:
       raise ApiError(400, "suffix is not supported", "suffix")
     if req.best_of is not None and req.best_of != req.n:
       raise ApiError(400, f"best_of={req.best_of} is not supported (only best_of == n)", "best_of")
-    params = sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs)
-    prompts = await off_loop(_check_prompts, llm, _prompt_list(req.prompt), params)
+    params = sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs, constraint=constraint)
+    prompts = await off_loop(_check_prompts, llm, _prompt_list(req.prompt), params, constraint)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     return await _run(request, prompts, params, Responder(model_name, llm.tokenizer, req.n, False, include_usage),
                       req.stream)
@@ -155,7 +155,7 @@ def create_app(llm: LLM, *, model_name: str = EMBEDDED_NAME, max_queue: int = 25
     _check_model(req.model, model_name)
     if fmt is None:
       raise ApiError(400, fmt_error, "messages")
-    refuse_unsupported(req)
+    constraint = output_constraint(req)
     if req.top_logprobs is not None and not req.logprobs:
       raise ApiError(400, "top_logprobs needs logprobs=true", "top_logprobs")
     if req.max_completion_tokens is not None:  # OpenAI's newer name wins, as in vLLM
@@ -163,20 +163,22 @@ def create_app(llm: LLM, *, model_name: str = EMBEDDED_NAME, max_queue: int = 25
     else:
       max_tokens, field = req.max_tokens, "max_tokens"
     params = sampling_params(req, max_tokens=max_tokens, logprobs=(req.top_logprobs or 0) if req.logprobs else None,
-                             stop_token_ids=fmt.stop_ids)
+                             stop_token_ids=fmt.stop_ids, constraint=constraint)
     messages = [m.plain() for m in req.messages]
+    tool = "" if constraint is None else constraint.tool
+    extra = {"tools": req.tools} if tool else {}  # the template shows the model its tools where it can
 
     def prepare() -> list[list[int]]:
       try:
-        ids = fmt.encode(llm.tokenizer, messages, req.add_generation_prompt)
+        ids = fmt.encode(llm.tokenizer, messages, req.add_generation_prompt, **extra)
       except ValueError as e:  # the template refused the conversation
         raise ApiError(400, str(e), "messages") from None
-      return [_check_prompt(llm, ids, params, "messages", field)]
+      return [_check_prompt(llm, ids, params, "messages", field, constraint)]
 
     prompts = await off_loop(prepare)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    return await _run(request, prompts, params, Responder(model_name, llm.tokenizer, req.n, True, include_usage),
-                      req.stream)
+    return await _run(request, prompts, params,
+                      Responder(model_name, llm.tokenizer, req.n, True, include_usage, tool), req.stream)
 
   async def _run(request: Request, prompts: list[list[int]], params, responder: Responder, stream: bool):
     job = _Job(loop, prompts, params, deadline=time.monotonic() + app.state.request_timeout)
@@ -340,12 +342,12 @@ def _prompt_list(prompt) -> list:
   return list(prompt)
 
 
-def _check_prompts(llm: LLM, prompts: list, params) -> list[list[int]]:
+def _check_prompts(llm: LLM, prompts: list, params, constraint=None) -> list[list[int]]:
   """Each prompt's token ids (`_check_prompt`); an error names the prompt when there are several."""
   out = []
   for i, prompt in enumerate(prompts):
     try:
-      out.append(_check_prompt(llm, prompt, params))
+      out.append(_check_prompt(llm, prompt, params, constraint=constraint))
     except ApiError as e:
       if len(prompts) > 1:
         e.message = f"prompt {i}: {e.message}"
@@ -353,15 +355,17 @@ def _check_prompts(llm: LLM, prompts: list, params) -> list[list[int]]:
   return out
 
 
-def _check_prompt(llm: LLM, prompt, params, what: str = "prompt", max_tokens_field: str = "max_tokens") -> list[int]:
-  """The prompt's token ids, checked as the engine will (ids, n <= slots) and against the context:
-  prompt + max_tokens over max_len is a 400 here, where the engine would shorten max_tokens."""
+def _check_prompt(llm: LLM, prompt, params, what: str = "prompt", max_tokens_field: str = "max_tokens",
+                  constraint=None) -> list[int]:
+  """The prompt's token ids, checked as the engine will (ids, n <= slots, a constraint compiled)
+  and against the context: prompt + max_tokens over max_len is a 400 here, where the engine would
+  shorten max_tokens."""
   ids = llm.tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else prompt
   check_context(len(ids), params.max_tokens, llm.max_len, what=what, max_tokens_field=max_tokens_field)
   try:
     return llm.engine.check_request(ids, params)[1]
   except ValueError as e:
-    err = invalid(e)
+    err = invalid(e, constraint)
     err.param = err.param or what
     raise err from None
 

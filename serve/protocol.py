@@ -3,12 +3,17 @@
 
 Unknown fields are ignored, as vLLM does; a field of the wrong type or value is refused with a 400
 that names it. vLLM's extra sampling fields (top_k, min_p, repetition_penalty, ignore_eos, ...)
-are accepted too. Fields asking for what jaxgen cannot do yet (structured output, tools) are named
-here so that they are refused (`refuse_unsupported`), never silently ignored.
+are accepted too. Structured output arrives as OpenAI's `response_format`, vLLM's
+`structured_outputs` (or its older `guided_*` fields), or a tool call forced by `tool_choice`
+("required" or a named function): each becomes one `StructuredOutputsParams` (`output_constraint`).
+What jaxgen cannot do yet (`tool_choice="auto"`, streamed tool calls) is refused with a 400 naming
+the field, never silently ignored.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import re
 import time
 import uuid
@@ -16,6 +21,7 @@ from typing import Any
 
 from jaxgen.decode.outputs import CompletionOutput, RequestOutput
 from jaxgen.decode.params import SamplingParams
+from jaxgen.decode.structured import StructuredOutputsParams
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -62,7 +68,7 @@ class _Sampling(BaseModel):
   skip_special_tokens: bool = True
   include_stop_str_in_output: bool = False
   # Structured output (OpenAI's, then vLLM's spellings): typed loosely so that any value reaches
-  # `refuse_unsupported` and gets its message, not a type error.
+  # `output_constraint` and gets its message, not a type error.
   response_format: Any = None
   structured_outputs: Any = None
   guided_json: Any = None
@@ -109,28 +115,110 @@ class ChatRequest(_Sampling):
   tool_choice: Any = None
 
 
-_STRUCTURED = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
-def refuse_unsupported(req: _Sampling) -> None:
-  """ApiError(400) naming the first field that asks for structured output or tool calling."""
+@dataclasses.dataclass(frozen=True)
+class Constraint:
+  """A request's output constraint, the field that asked for it, and the tool call it makes (chat):
+  tool "" for none, a function's name (tool_choice naming it), or "*" (tool_choice="required": a
+  JSON list of {"name", "parameters"})."""
+
+  params: StructuredOutputsParams
+  field: str
+  tool: str = ""
+
+
+def output_constraint(req: _Sampling) -> Constraint | None:
+  """The request's structured output, from whichever one field asks for it; ApiError(400) naming
+  the field when its value is refused or two fields ask."""
+  asked = []
   fmt = req.response_format
   if fmt is not None and fmt != {"type": "text"}:
-    raise ApiError(400, f"response_format={_short(fmt)} is not supported yet: jaxgen has no structured output "
-                   "(constrained decoding); leave it out or send {\"type\": \"text\"}", "response_format")
-  for name in _STRUCTURED:
-    if getattr(req, name) is not None:
-      raise ApiError(400, f"{name} is not supported yet: jaxgen has no structured output (constrained decoding); "
-                     "leave it out", name)
-  if not isinstance(req, ChatRequest):
-    return
-  choice = req.tool_choice
-  if req.tools and choice != "none":  # with "none" the answer is a plain message (tools stay out of the prompt)
-    raise ApiError(400, "tools are not supported yet: jaxgen has no tool calling; leave them out or send "
-                   "tool_choice=\"none\"", "tools")
-  if choice is not None and choice != "none":
-    raise ApiError(400, f"tool_choice={_short(choice)} is not supported yet: jaxgen has no tool calling; "
-                   "only \"none\"", "tool_choice")
+    asked.append(("response_format", _response_format(fmt), ""))
+  if req.structured_outputs is not None:
+    if not isinstance(req.structured_outputs, dict):
+      raise ApiError(400, f"structured_outputs={_short(req.structured_outputs)} must be an object", "structured_outputs")
+    asked.append(("structured_outputs", req.structured_outputs, ""))
+  asked += [(name, {kind: getattr(req, name)}, "") for name, kind in _GUIDED.items() if getattr(req, name) is not None]
+  if isinstance(req, ChatRequest):
+    tool = _tool_constraint(req)
+    if tool is not None:
+      asked.append(("tool_choice", *tool))
+  if not asked:
+    return None
+  if len(asked) > 1:
+    names = [a[0] for a in asked]
+    raise ApiError(400, f"{' and '.join(names)} each constrain the output: give one", names[1])
+  field, spec, tool = asked[0]
+  try:
+    return Constraint(SamplingParams(structured_outputs=spec).structured_outputs, field, tool)
+  except (ValueError, TypeError) as e:
+    raise ApiError(400, f"{field}: {e}", field) from None
+
+
+def _response_format(fmt) -> dict:
+  kind = fmt.get("type") if isinstance(fmt, dict) else None
+  if kind == "json_object":
+    return {"json_object": True}
+  if kind == "json_schema":
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+      raise ApiError(400, "response_format of type json_schema needs json_schema.schema, a JSON schema object",
+                     "response_format")
+    return {"json": spec["schema"]}
+  raise ApiError(400, f"response_format={_short(fmt)}: its type must be one of text, json_object, json_schema",
+                 "response_format")
+
+
+def _tool_constraint(req: ChatRequest) -> tuple[dict, str] | None:
+  """(structured_outputs fields, tool) for a tool call that tool_choice forces; None for none."""
+  choice, tools = req.tool_choice, req.tools or []
+  if choice == "none" or (choice is None and not tools):
+    return None
+  if not isinstance(tools, list) or not tools or not all(
+      isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("function"), dict)
+      and isinstance(t["function"].get("name"), str) for t in tools):
+    raise ApiError(400, "tools must be a non-empty list of {\"type\": \"function\", \"function\": {\"name\", "
+                   "\"parameters\"}}", "tools")
+  functions = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in tools}
+  for i, (name, schema) in enumerate(functions.items()):
+    if not isinstance(schema, dict) or schema.get("type", "object") != "object":
+      raise ApiError(400, f"tools[{i}] ({name}): function.parameters={_short(schema)} must be a JSON schema of "
+                     "type object", "tools")
+  if choice in (None, "auto"):
+    raise ApiError(400, "tool_choice=\"auto\" (the default with tools) is not supported yet: send \"required\", "
+                   "a named function ({\"type\": \"function\", \"function\": {\"name\": ...}}) or \"none\"",
+                   "tool_choice")
+  if choice == "required":
+    if req.stream:  # a list of calls would need its JSON parsed as it grows
+      raise ApiError(400, "tool_choice=\"required\" cannot stream yet; send stream=false or name the function",
+                     "stream")
+    calls = [{"type": "object", "properties": {"name": {"const": name}, "parameters": schema},
+              "required": ["name", "parameters"], "additionalProperties": False} for name, schema in functions.items()]
+    return {"json": {"type": "array", "minItems": 1, "items": {"anyOf": calls}}, "disable_any_whitespace": True}, "*"
+  name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+  if not isinstance(choice, dict) or choice.get("type") != "function" or name not in functions:
+    raise ApiError(400, f"tool_choice={_short(choice)} must be \"none\", \"required\" or {{\"type\": \"function\", "
+                   f"\"function\": {{\"name\": one of {sorted(functions)}}}}}", "tool_choice")
+  # Compact JSON: the arguments are read by a program, and free whitespace lets a small model loop on it.
+  return {"json": functions[name], "disable_any_whitespace": True}, name
+
+
+def tool_calls(text: str, tool: str) -> list[dict] | None:
+  """OpenAI's `tool_calls` from a constrained output (None when it is cut short and does not parse)."""
+  try:
+    value = json.loads(text)
+  except json.JSONDecodeError:
+    return None
+  # A named function's arguments are the text as written (what a stream sends); a list's calls
+  # are cut out of it and written again.
+  calls = [(tool, text)] if tool != "*" else [(c["name"], json.dumps(c["parameters"])) for c in value]
+  return [{"id": _call_id(), "type": "function", "function": {"name": name, "arguments": args}} for name, args in calls]
+
+
+def _call_id() -> str:
+  return "call_" + uuid.uuid4().hex[:24]
 
 
 def _short(value) -> str:
@@ -138,8 +226,8 @@ def _short(value) -> str:
   return text if len(text) <= 80 else text[:77] + "..."
 
 
-def sampling_params(req: _Sampling, *, max_tokens: int | None, logprobs: int | None,
-                    stop_token_ids=()) -> SamplingParams:
+def sampling_params(req: _Sampling, *, max_tokens: int | None, logprobs: int | None, stop_token_ids=(),
+                    constraint: Constraint | None = None) -> SamplingParams:
   """The request's SamplingParams; ApiError(400) naming the field when a value is refused."""
   bias = {}
   for k, v in (req.logit_bias or {}).items():
@@ -156,7 +244,8 @@ def sampling_params(req: _Sampling, *, max_tokens: int | None, logprobs: int | N
         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty, logit_bias=bias,
         seed=req.seed, stop=req.stop, stop_token_ids=sorted(set(req.stop_token_ids or []) | set(stop_token_ids)),
         ignore_eos=req.ignore_eos, include_stop_str_in_output=req.include_stop_str_in_output,
-        skip_special_tokens=req.skip_special_tokens, logprobs=logprobs)
+        skip_special_tokens=req.skip_special_tokens, logprobs=logprobs,
+        structured_outputs=None if constraint is None else constraint.params)
   except ValueError as e:
     raise invalid(e) from None
 
@@ -179,9 +268,12 @@ def check_context(prompt_tokens: int, max_tokens: int | None, max_len: int, *, w
                    f"completion). Please reduce the length of the {what} or completion.", max_tokens_field)
 
 
-def invalid(e: ValueError) -> ApiError:
-  """A ValueError of jaxgen's checks as a 400, its param taken from 'SamplingParams.<field>' when named."""
-  m = re.search(r"SamplingParams\.(\w+)", str(e))
+def invalid(e: ValueError, constraint: Constraint | None = None) -> ApiError:
+  """A ValueError of jaxgen's checks as a 400, its param taken from 'SamplingParams.<field>' when
+  named (a constraint that does not compile: the request field that gave it)."""
+  if constraint is not None and re.search(r"structured[ _]?outputs", str(e), re.I):
+    return ApiError(400, str(e), constraint.field)
+  m = re.search(r"\bSamplingParams\.(\w+)", str(e))
   return ApiError(400, str(e), m.group(1) if m else None)
 
 
@@ -193,8 +285,9 @@ class Responder:
   prompt index * n + sample index, as OpenAI numbers the choices of a batch of prompts.
   """
 
-  def __init__(self, model: str, tokenizer, n: int, chat: bool, include_usage: bool = False):
+  def __init__(self, model: str, tokenizer, n: int, chat: bool, include_usage: bool = False, tool: str = ""):
     self.model, self.tokenizer, self.n, self.chat, self.include_usage = model, tokenizer, n, chat, include_usage
+    self.tool = tool  # a forced tool call's function name ("*": any of the tools), or ""
     self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     self.created = int(time.time())
     self.object = "chat.completion" if chat else "text_completion"
@@ -216,7 +309,11 @@ class Responder:
       for c in out.outputs:
         choice = {"index": p * self.n + c.index, "logprobs": self._logprobs(c, 0), "finish_reason": c.finish_reason,
                   "stop_reason": c.stop_reason}
-        if self.chat:
+        calls = tool_calls(c.text, self.tool) if self.tool and c.finish_reason == "stop" else None
+        if calls is not None:  # vLLM's finish reasons: "tool_calls" when the model chose among the tools
+          choice["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
+          choice["finish_reason"] = "tool_calls" if self.tool == "*" else "stop"
+        elif self.chat:
           choice["message"] = {"role": "assistant", "content": c.text}
         else:
           choice["text"] = c.text
@@ -238,7 +335,12 @@ class Responder:
         choice["stop_reason"] = c.stop_reason
         self._done.add(index)
       text = c.text[chars:]
-      if self.chat:
+      if self.chat and self.tool:  # a named function's arguments stream as they are written (vLLM's deltas)
+        call = {"index": 0, "function": {"arguments": text}}
+        if first:
+          call = {"index": 0, "id": _call_id(), "type": "function", "function": {"name": self.tool, "arguments": text}}
+        choice["delta"] = {"role": "assistant", "tool_calls": [call]} if first else {"tool_calls": [call]} if text else {}
+      elif self.chat:
         choice["delta"] = {"role": "assistant", "content": text} if first else {"content": text} if text else {}
       else:
         choice["text"] = text

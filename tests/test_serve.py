@@ -20,6 +20,7 @@ import threading
 import time
 
 import httpx
+import jsonschema
 import openai
 import pytest
 import uvicorn
@@ -220,25 +221,94 @@ def test_chat_over_the_context_gets_vllms_400_and_max_completion_tokens_wins(ser
   assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3
 
 
-@pytest.mark.parametrize("fields,param", [
-    ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"guided_choice": ["red", "blue"]}, "guided_choice"),
-    ({"tools": [{"type": "function", "function": {"name": "paint", "parameters": {}}}]}, "tools"),
-    ({"tools": [{"type": "function", "function": {"name": "paint"}}], "tool_choice": "auto"}, "tools"),
-    ({"tool_choice": "required"}, "tool_choice"),
+PAINT = {"type": "function", "function": {"name": "paint", "description": "Paints a wall.", "parameters": {
+    "type": "object", "properties": {"colour": {"type": "string", "enum": ["red", "green", "blue"]},
+                                     "coats": {"type": "integer", "minimum": 1, "maximum": 3}},
+    "required": ["colour", "coats"], "additionalProperties": False}}}
+SIGN = {"type": "function", "function": {"name": "sign", "parameters": {
+    "type": "object", "properties": {"name": {"type": "string", "maxLength": 12}}, "required": ["name"]}}}
+
+
+@pytest.mark.parametrize("fields,param,message", [
+    ({"tools": [PAINT]}, "tool_choice", "tool_choice=\"auto\" (the default with tools) is not supported yet"),
+    ({"tools": [PAINT], "tool_choice": "auto"}, "tool_choice", "is not supported yet"),
+    ({"tool_choice": "required"}, "tools", "tools must be a non-empty list"),
+    ({"tools": [PAINT], "tool_choice": {"type": "function", "function": {"name": "draw"}}}, "tool_choice",
+     "one of ['paint']"),
+    ({"tools": [PAINT], "tool_choice": "required", "stream": True}, "stream", "cannot stream yet"),
+    ({"tools": [PAINT, {"type": "function", "function": {"name": "say", "parameters": {"type": "string"}}}],
+      "tool_choice": "required"}, "tools", "tools[1] (say): function.parameters={'type': 'string'} must be a JSON"),
+    ({"response_format": {"type": "xml"}}, "response_format", "must be one of text, json_object, json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format",
+     "needs json_schema.schema"),
+    ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "structured_outputs",
+     "response_format and structured_outputs each constrain the output"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "give exactly one of"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}},
+     "response_format", "StructuredOutputsParams.json does not compile: "),
 ])
-def test_chat_structured_output_and_tools_are_refused_not_ignored(server, fields, param):
+def test_chat_constraints_that_cannot_be_served_are_refused_by_name(server, fields, param, message):
   r = post(server, "/v1/chat/completions", chat_body(max_tokens=2, **fields))
   assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
-  assert "not supported" in r.json()["error"]["message"]
+  assert message in r.json()["error"]["message"], r.text
 
 
 def test_chat_tools_that_may_not_be_called_are_allowed(server):
-  tools = [{"type": "function", "function": {"name": "paint", "parameters": {}}}]
-  for fields in ({"tools": tools, "tool_choice": "none"}, {"tool_choice": "none"}, {"tools": []},
+  for fields in ({"tools": [PAINT], "tool_choice": "none"}, {"tool_choice": "none"}, {"tools": []},
                  {"response_format": {"type": "text"}}):
     r = post(server, "/v1/chat/completions", chat_body(max_tokens=2, **fields))
     assert r.status_code == 200, (fields, r.text)
+
+
+def test_response_format_json_schema_through_the_openai_client(client):
+  """OpenAI's json_schema response format, whole and streamed: content that validates."""
+  schema = PAINT["function"]["parameters"]
+  fmt = {"type": "json_schema", "json_schema": {"name": "paint", "schema": schema, "strict": True}}
+  messages = [{"role": "user", "content": "Which colour should the wall be, and how many coats? Answer in JSON."}]
+  out = client.chat.completions.create(model=NAME, messages=messages, max_tokens=60, temperature=0,
+                                       response_format=fmt)
+  jsonschema.validate(json.loads(out.choices[0].message.content), schema)
+  assert out.choices[0].finish_reason == "stop"
+  chunks = client.chat.completions.create(model=NAME, messages=messages, max_tokens=60, temperature=0,
+                                          response_format=fmt, stream=True)
+  assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == out.choices[0].message.content
+  obj = client.completions.create(model=NAME, prompt="A JSON object:", max_tokens=80, temperature=0,
+                                  extra_body={"response_format": {"type": "json_object"}})
+  assert isinstance(json.loads(obj.choices[0].text), dict) and obj.choices[0].finish_reason == "stop"
+
+
+def test_completions_take_vllms_structured_outputs(client):
+  out = client.completions.create(model=NAME, prompt="The sky is", max_tokens=5, temperature=0.9, seed=3, n=3,
+                                  extra_body={"structured_outputs": {"choice": ["blue", "grey", "dark"]}})
+  assert len(out.choices) == 3 and all(c.text in ("blue", "grey", "dark") for c in out.choices)
+  out = client.completions.create(model=NAME, prompt="Year:", max_tokens=10, temperature=0,
+                                  extra_body={"guided_regex": r"(19|20)\d\d"})
+  assert re.fullmatch(r"(19|20)\d\d", out.choices[0].text) and out.choices[0].finish_reason == "stop"
+
+
+def test_a_named_or_required_tool_call_comes_back_as_tool_calls(client):
+  messages = [{"role": "user", "content": "Paint the kitchen wall red, two coats."}]
+  out = client.chat.completions.create(model=NAME, messages=messages, max_tokens=60, temperature=0,
+                                       tools=[PAINT, SIGN], tool_choice={"type": "function",
+                                                                         "function": {"name": "paint"}})
+  (call,) = out.choices[0].message.tool_calls
+  assert call.type == "function" and call.function.name == "paint" and call.id.startswith("call_")
+  jsonschema.validate(json.loads(call.function.arguments), PAINT["function"]["parameters"])
+  assert out.choices[0].finish_reason == "stop" and out.choices[0].message.content is None
+  chunks = [c for c in client.chat.completions.create(
+      model=NAME, messages=messages, max_tokens=60, temperature=0, tools=[PAINT, SIGN], stream=True,
+      tool_choice={"type": "function", "function": {"name": "paint"}}) if c.choices]
+  first = chunks[0].choices[0].delta.tool_calls[0]
+  assert first.id.startswith("call_") and first.function.name == "paint"
+  streamed = "".join(d.function.arguments for c in chunks for d in (c.choices[0].delta.tool_calls or []))
+  assert streamed == call.function.arguments and chunks[-1].choices[0].finish_reason == "stop"
+  out = client.chat.completions.create(model=NAME, messages=messages, max_tokens=120, temperature=0,
+                                       tools=[PAINT, SIGN], tool_choice="required")
+  calls = out.choices[0].message.tool_calls
+  assert calls and out.choices[0].finish_reason == "tool_calls"
+  for call in calls:
+    tool = {"paint": PAINT, "sign": SIGN}[call.function.name]
+    jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
 
 
 def test_api_key_is_required(server):
