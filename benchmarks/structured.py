@@ -25,10 +25,10 @@ from jaxgen import LLM, SamplingParams
 from jaxgen.decode import structured
 from jaxgen.decode.structured import StructuredOutputsParams as SO
 
-SCHEMAS = json.loads((pathlib.Path(__file__).parent.parent / "tests/data/structured_schemas.json").read_text())
+CASES = json.loads((pathlib.Path(__file__).parent.parent / "tests/data/structured_schemas.json").read_text())
+SCHEMAS = {name: case["schema"] for name, case in CASES.items()}
+PROMPTS = {name: case["prompt"] for name, case in CASES.items()}
 LONG_LIST = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 999}, "minItems": 500}
-PROMPTS = {"person": "A person as JSON:", "order": "An order as JSON:", "point": "A point as JSON:",
-           "tags": "Tags as JSON:", "config": "A server configuration as JSON:"}
 REGEX = r"[A-Z][a-z]{2,9} [0-9]{1,3}(, [A-Z][a-z]{2,9} [0-9]{1,3}){0,3}"
 CHOICES = ["north", "south", "east", "west"]
 

@@ -25,6 +25,11 @@ import llguidance.numpy as llg_numpy
 import numpy as np
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+# Whitespace JSON may hold between two tokens unless a request says otherwise: one newline with up
+# to 20 spaces or tabs of indentation, or one space or tab. Pretty-printed JSON stays possible; a
+# run of blank lines does not (vLLM's default, any whitespace, lets a small model sampled at
+# temperature 1.0 loop on newlines until its token limit: docs/structured-output.md).
+JSON_WHITESPACE = r"(\n[ \t]{0,20})|[ \t]"
 MAX_SPEC_CHARS = 1 << 20  # a constraint's text (a schema, a grammar): longer is refused
 _CACHE_SIZE = 256  # compiled constraints kept (a server sees the same few schemas again and again)
 
@@ -40,7 +45,8 @@ class StructuredOutputsParams:
   json_object: True: any JSON object.
   Options: disable_any_whitespace (JSON without free whitespace between tokens: ", " and ": "
   only), disable_additional_properties (object schemas without `additionalProperties` get
-  false), whitespace_pattern (a regex for the whitespace JSON may hold).
+  false), whitespace_pattern (a regex for the whitespace JSON may hold between two tokens; by
+  default `JSON_WHITESPACE`, one newline and its indentation or one space).
   """
 
   json: str | dict | None = None
@@ -103,8 +109,8 @@ def _grammar_text(key) -> str:
   kind, text, no_whitespace, no_additional, whitespace = key
   if kind in ("json", "json_object"):
     options: dict[str, Any] = {"whitespace_flexible": not no_whitespace}
-    if whitespace is not None:
-      options["whitespace_pattern"] = whitespace
+    if not no_whitespace:
+      options["whitespace_pattern"] = JSON_WHITESPACE if whitespace is None else whitespace
     schema = json.loads(text)
     if no_additional and isinstance(schema, dict):
       schema = _no_additional_properties(schema)

@@ -10,13 +10,15 @@ import jsonschema
 import llguidance.numpy as llg_numpy
 import numpy as np
 import pytest
-from conftest import ToyTokenizer, tiny_config, tiny_model
+from conftest import DATA, ToyTokenizer, tiny_config, tiny_model
 from jaxgen import SamplingParams
 from jaxgen.decode.engine import Engine
 from jaxgen.decode import sampling, structured
 from jaxgen.decode.structured import StructuredOutputsParams as SO
 from jaxgen.model.layers import NEG_INF
 
+CASES = json.loads((DATA / "structured_schemas.json").read_text())
+REGEX = r"[A-Z][a-z]{2,9} [0-9]{1,3}(, [A-Z][a-z]{2,9} [0-9]{1,3}){0,3}"
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 150}},
           "required": ["name", "age"], "additionalProperties": False}
@@ -99,11 +101,13 @@ def _generate(llm, prompts, params):
 def test_each_kind_holds_beside_plain_rows_in_one_program_per_row_count(llm):
   """JSON schema, json_object, regex, choice (sampled, n=3) and a GBNF grammar, in one batch with
   two unconstrained rows: each constrained output parses as asked and ends with "stop" when its
-  structure is complete; the unconstrained rows equal their decoding alone token for token. Masks
-  are data: the sampler has one program per row count, constrained or not."""
+  structure is complete; the unconstrained rows, one greedy and one seeded, equal the same
+  requests run alone token for token. Masks are data: the sampler has one program per row count,
+  constrained or not."""
   plain_prompts = ["The capital of France is", "def fibonacci(n):"]
   greedy = SamplingParams(max_tokens=24, temperature=0.0)
-  alone = _generate(llm, plain_prompts, [greedy] * 2)
+  seeded = SamplingParams(max_tokens=24, temperature=0.8, seed=11)
+  alone = _generate(llm, plain_prompts, [greedy, seeded])
   cases = [
       ("Describe a person named Ann, aged 31, as JSON:", SO(json=PERSON)),
       ("A JSON object:", SO(json_object=True)),
@@ -113,7 +117,7 @@ def test_each_kind_holds_beside_plain_rows_in_one_program_per_row_count(llm):
   ]
   params = [SamplingParams(max_tokens=80, temperature=0.0, structured_outputs=so) for _, so in cases]
   params[3] = SamplingParams(n=3, max_tokens=8, temperature=1.0, seed=5, structured_outputs=cases[3][1])
-  outs = _generate(llm, [p for p, _ in cases] + plain_prompts, params + [greedy] * 2)
+  outs = _generate(llm, [p for p, _ in cases] + plain_prompts, params + [greedy, seeded])
   person, obj, number, colours, answer, *plain = outs
   jsonschema.validate(json.loads(person[0].text), PERSON)
   assert isinstance(json.loads(obj[0].text), dict)
@@ -127,6 +131,32 @@ def test_each_kind_holds_beside_plain_rows_in_one_program_per_row_count(llm):
   programs, buckets = llm.engine.runner.programs, llm.engine.config.row_buckets
   assert programs.sample._cache_size() <= len(buckets), (programs.sample._cache_size(), buckets)
   assert programs.decode._cache_size() <= len(buckets)
+
+
+@pytest.mark.slow
+def test_outputs_sampled_at_temperature_one_are_valid(llm):
+  """The five schemas of tests/data/structured_schemas.json (nested objects, lists with bounds,
+  enums, patterns, optional fields, bounded numbers), a regex and a choice, each sampled at
+  temperature 1.0 with four seeds: every output parses and validates. (benchmarks/structured.py
+  runs 100 seeds of each: docs/performance.md.)"""
+  seeds = range(4)
+  prompts, params, checks = [], [], []
+  for case in CASES.values():
+    for seed in seeds:
+      prompts.append(case["prompt"])
+      params.append(SamplingParams(max_tokens=200, temperature=1.0, seed=seed,
+                                   structured_outputs=SO(json=case["schema"])))
+      checks.append(lambda text, schema=case["schema"]: jsonschema.validate(json.loads(text), schema))
+  for seed in seeds:
+    prompts += ["Cities and their sizes:", "Which way?"]
+    params += [SamplingParams(max_tokens=60, temperature=1.0, seed=seed, structured_outputs=SO(regex=REGEX)),
+               SamplingParams(max_tokens=8, temperature=1.0, seed=seed,
+                              structured_outputs=SO(choice=["north", "south", "east", "west"]))]
+    checks += [lambda text: re.fullmatch(REGEX, text) or pytest.fail(f"{text!r} does not match"),
+               lambda text: text in ("north", "south", "east", "west") or pytest.fail(f"{text!r} is no choice")]
+  for prompt, out, check in zip(prompts, _generate(llm, prompts, params), checks):
+    assert out[0].finish_reason == "stop", (prompt, out[0].text)
+    check(out[0].text)
 
 
 @pytest.mark.slow
