@@ -293,8 +293,8 @@ def program_args(config: EngineConfig, programs: Programs, params, state, store)
       yield f"logits_{shape[0]}", programs.logits, (params, i32(1, shape[0])), shape[0]
     elif name == "verify":
       r = shape[0]
-      yield (f"verify_{r}", programs.verify, (params, state, arr(jnp.bool_, r), i32(r, k), i32(r), flag, *masks(r)),
-             r * (k + 1))
+      yield (f"verify_{r}", programs.verify, (params, state, arr(jnp.bool_, r), i32(r, k), i32(r), flag,
+                                              i32(r * (k + 1), words), arr(jnp.bool_, r)), r * (k + 1))
     elif name == "save":
       yield "prefix_save", programs.save, (state, store, i32(), i32(), i32(save_blocks)), 0
     elif name == "restore":

@@ -109,7 +109,7 @@ class Runner:
     out = self.state.cache.lengths.sharding if mesh is None else rules.replicated(mesh)
     self._place = lambda x: jax.device_put(x, out)
     self._take = self._place(np.full(1, True))  # a prompt's last chunk: its row keeps the draw
-    self._unconstrained: dict[int, tuple] = {}  # rows -> placed (mask, constrained) of rows without a grammar
+    self.grammar = GrammarMasks(self._place, cfg.vocab_size)
     self.built: set[int] = set()  # row buckets whose decode (or verify) program has run
     self.ahead: threading.Thread | None = None  # `build_decode_ahead`'s build, until waited for
     self._last_ready = time.perf_counter()
@@ -152,7 +152,7 @@ class Runner:
       return InFlight("prefill", None, [], t0, waited + compiles.seconds() - c0, op.n, ready=logits)
     want = op.sample.req.params.logprobs is not None
     self.state, out = self.programs.sample(self.state, logits, np.array([op.slot], np.int32), self._take,
-                                           np.bool_(want), *self.masks([(0, op.sample)], 1))
+                                           np.bool_(want), *self.grammar.draw([(0, op.sample)], 1))
     return InFlight("prefill", out, [(0, op.sample)], t0, waited + compiles.seconds() - c0, op.n)
 
   def _decode(self, d: Decode, stats: Stats) -> InFlight:
@@ -163,25 +163,25 @@ class Runner:
     c0 = compiles.seconds()  # a draft's work counts as decode time
     want = np.bool_(d.want_logprobs)
     rows = [(s.slot, s) for s in d.samples]
-    pending = None
+    pending, counts = None, d.counts
     if not d.verify:
       self.state, logits, took = self.programs.decode(self.params, self.state, d.active)
       out = accepted = None
       if self.config.reads_first or not any(s.grammar is not None for s in d.samples):
         self.state, out = self.programs.sample(self.state, logits, np.arange(d.rows, dtype=np.int32), took, want,
-                                               *self.masks(rows, d.rows))
+                                               *self.grammar.draw(rows, d.rows))
       else:  # the masks need the previous step's tokens: `draw` once they are read
         pending = (logits, took, want)
     else:
       proposals = d.proposals
       if d.asks:
-        proposals = self._draft(d)
-      self.state, out, accepted = self.programs.verify(self.params, self.state, d.active, proposals, d.counts, want,
-                                                       *self.masks(rows, d.rows))
+        proposals, counts = self._draft(d)
+      self.state, out, accepted = self.programs.verify(self.params, self.state, d.active, proposals, counts, want,
+                                                       *self.grammar.verify(rows, proposals, counts))
     stats.decode_rows[d.rows] += 1
     self.built.add(d.rows)
-    return InFlight("decode", out, rows, t0, waited + compiles.seconds() - c0, accepted=accepted, counts=d.counts,
-                    pending=pending)
+    return InFlight("decode", out, rows, t0, waited + compiles.seconds() - c0, accepted=accepted,
+                    counts=counts, pending=pending)
 
   def draw_pending(self, flights) -> None:
     """Dispatches the draws among `flights` held for grammar masks (`draw`)."""
@@ -196,27 +196,13 @@ class Runner:
     f.pending = None
     c0 = compiles.seconds()
     self.state, f.out = self.programs.sample(self.state, logits, np.arange(len(took), dtype=np.int32), took, want,
-                                             *self.masks(f.rows, len(took)))
+                                             *self.grammar.draw(f.rows, len(took)))
     f.compile_s += compiles.seconds() - c0
 
-  def masks(self, rows: list, width: int) -> tuple:
-    """(mask int32 [width, V/32], constrained bool [width]) for a draw over `width` rows, placed:
-    the grammar masks of the samples among `rows` [(row, Sample)] that have one (computed from
-    their matchers now), or one constant per width when none has."""
-    held = [(r, s.grammar) for r, s in rows if s.grammar is not None and not s.done]
-    if not held:
-      if width not in self._unconstrained:
-        words = structured.words(self.config.model.vocab_size)
-        self._unconstrained[width] = (self._place(np.zeros((width, words), np.int32)),
-                                      self._place(np.zeros(width, np.bool_)))
-      return self._unconstrained[width]
-    constrained = np.zeros(width, np.bool_)
-    constrained[[r for r, _ in held]] = True
-    return self._place(structured.masks(held, width, self.config.model.vocab_size)), self._place(constrained)
-
-  def _draft(self, d: Decode) -> np.ndarray:
-    """The scheduler's proposals with the draft model's filled in for the rows it asked about."""
-    proposals = d.proposals.copy()
+  def _draft(self, d: Decode) -> tuple[np.ndarray, np.ndarray]:
+    """(proposals, counts): the scheduler's with the draft model's filled in for the rows it asked
+    about (a constrained row's cut to what its grammar allows)."""
+    proposals, counts = d.proposals.copy(), d.counts.copy()
     active, window, start = np.zeros(d.rows, np.bool_), np.zeros((d.rows, 2), np.int32), np.zeros(d.rows, np.int32)
     for a in d.asks:
       s = a.sample
@@ -225,8 +211,11 @@ class Runner:
       s.spec.draft_base = a.held
     got = self.drafter.propose(active, window, start)
     for a in d.asks:
-      proposals[a.sample.slot, :a.room] = got[a.sample.slot, :a.room]
-    return proposals
+      slot = a.sample.slot
+      proposals[slot, :a.room] = got[slot, :a.room]
+      if a.sample.grammar is not None:
+        counts[slot] = structured.valid_prefix(a.sample.grammar, got[slot, :a.room])
+    return proposals, counts
 
   def read(self, f: InFlight) -> RunnerOutput:
     """Waits for one dispatch's results and brings them to the host (a pending draw is dispatched
@@ -260,7 +249,7 @@ class Runner:
                                                  np.array([slot], np.int32), row, fresh=start == 0)
       start += n
     self.state, out = self.programs.sample(self.state, logits, np.array([slot], np.int32), self._take, np.bool_(False),
-                                           *self.masks([], 1))
+                                           *self.grammar.draw([], 1))
     return out.tokens
 
   def decode_rows(self, rows: int):
@@ -270,7 +259,7 @@ class Runner:
     active[:rows] = True
     self.state, logits, took = self.programs.decode(self.params, self.state, active)
     self.state, out = self.programs.sample(self.state, logits, np.arange(len(active), dtype=np.int32), took,
-                                           np.bool_(False), *self.masks([], len(active)))
+                                           np.bool_(False), *self.grammar.draw([], len(active)))
     return out.tokens
 
   # -------------------------------------------------------------------------------- compiling
@@ -336,11 +325,11 @@ class Runner:
         rows = shape[0]
         self.state, _ = p.sample(self.state, self._place(np.zeros((rows, self.config.model.vocab_size), np.float32)),
                                  np.arange(rows, dtype=np.int32), self._place(np.zeros(rows, np.bool_)), np.bool_(False),
-                                 *self.masks([], rows))
+                                 *self.grammar.draw([], rows))
       elif name == "verify":
         rows = shape[0]
         self.state, *_ = p.verify(self.params, self.state, np.zeros(rows, np.bool_), np.zeros((rows, k), np.int32),
-                                  np.zeros(rows, np.int32), np.bool_(False), *self.masks([], rows))
+                                  np.zeros(rows, np.int32), np.bool_(False), *self.grammar.unconstrained(rows * (k + 1), rows))
       elif name == "fork":
         self.state = p.fork(self.state, np.int32(0), np.int32(slots - 1), row, np.int32(0))
       elif name == "move":
@@ -373,6 +362,50 @@ class Runner:
   def logits(self, tokens: np.ndarray) -> np.ndarray:
     """Float32 logits [1, T, V] of one uncached forward pass over tokens [1, T]."""
     return np.asarray(self.programs.logits(self.params, tokens))
+
+
+class GrammarMasks:
+  """The sampling programs' grammar-mask arguments (mask int32 [positions, V/32], constrained bool
+  [rows]), placed where the programs take them: from the samples' matchers as they are now, or one
+  constant per shape when no row is constrained."""
+
+  def __init__(self, place, vocab_size: int):
+    self.place, self.vocab_size = place, vocab_size
+    self._constant: dict[tuple[int, int], tuple] = {}
+
+  def draw(self, rows: list, width: int) -> tuple:
+    """For a draw over `width` rows: the masks of the samples among `rows` [(row, Sample)] that
+    have a grammar."""
+    held = _held(rows)
+    if not held:
+      return self.unconstrained(width, width)
+    return self.place(structured.masks(held, width, self.vocab_size)), self._constrained(held, width)
+
+  def verify(self, rows: list, proposals: np.ndarray, counts: np.ndarray) -> tuple:
+    """For a verify step: [R * (k + 1), V/32], a constrained row's mask at each position after the
+    proposals before it (`structured.masks_along`)."""
+    width, t = proposals.shape[0], proposals.shape[1] + 1
+    held = _held(rows)
+    if not held:
+      return self.unconstrained(width * t, width)
+    return self.place(structured.masks_along(held, proposals, counts, t, self.vocab_size)), self._constrained(held, width)
+
+  def unconstrained(self, positions: int, width: int) -> tuple:
+    """The placed constant of `width` rows drawing at `positions` in all, none constrained."""
+    if (positions, width) not in self._constant:
+      words = structured.words(self.vocab_size)
+      self._constant[positions, width] = (self.place(np.zeros((positions, words), np.int32)),
+                                          self.place(np.zeros(width, np.bool_)))
+    return self._constant[positions, width]
+
+  def _constrained(self, held: list, width: int):
+    constrained = np.zeros(width, np.bool_)
+    constrained[[r for r, _ in held]] = True
+    return self.place(constrained)
+
+
+def _held(rows: list) -> list:
+  return [(r, s.grammar) for r, s in rows if s.grammar is not None and not s.done]
 
 
 def _row_params(sample):

@@ -31,7 +31,7 @@ import time
 from typing import TYPE_CHECKING, Union
 
 import numpy as np
-from jaxgen.decode import prefix_index, speculative
+from jaxgen.decode import prefix_index, speculative, structured
 from jaxgen.decode.buckets import bucket
 from jaxgen.decode.prefix_index import BLOCK
 from jaxgen.decode.requests import Request, Sample
@@ -321,8 +321,6 @@ class Scheduler:
       if (p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty or len(out) < p.min_tokens
           or not s.spec.wants()):
         continue  # draws after the first would not see the tokens before them in the penalties
-      if s.grammar is not None:
-        continue  # nor the grammar's masks after the proposals: a constrained row decodes plainly
       held = len(s.req.prompt_ids) + len(out) - 1  # the last sampled token is fed by this step
       room = min(cfg.k, max_len - held - 1, s.req.max_tokens - len(out) - 1)
       if room < 1:
@@ -330,6 +328,8 @@ class Scheduler:
       history = np.asarray(s.req.prompt_ids + out, np.int32)
       if not draft:
         got = speculative.ngram_proposal(history, room, cfg.prompt_lookup_max, cfg.prompt_lookup_min)
+        if s.grammar is not None and len(got):  # a constrained row proposes what its grammar allows
+          got = got[:structured.valid_prefix(s.grammar, got)]
         props[s.slot, :len(got)], counts[s.slot] = got, len(got)
       elif held >= 1 and held + cfg.k <= max_len:  # the draft writes k positions from held - 1
         asks.append(DraftAsk(s, history, held, room))

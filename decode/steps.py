@@ -14,8 +14,8 @@ and reads back only the sampled ids (and logprobs when asked).
 - `sample_rows(state, logits [R, V], rows [R], take [R], want_logprobs, mask [R, V/32],
   constrained [R])`: draws each row's next token (`decode.sampling`), a constrained row among the
   tokens its grammar allows; one program per row count for prefill and decode alike.
-- `verify(params, state, active [R], proposals [R, k], counts [R], want_logprobs, mask,
-  constrained)`: speculative
+- `verify(params, state, active [R], proposals [R, k], counts [R], want_logprobs,
+  mask [R * (k + 1), V/32], constrained [R])`: speculative
   decoding's step: each active row is fed its next token and its first counts[r] proposals in one
   pass (T = k + 1), samples every position as a decode step would, keeps the longest run of
   proposals equal to its own samples plus the sample after it, and rolls back by length.
@@ -169,9 +169,9 @@ def verify_step(graphdef, params, state: DecodeState, active, proposals, counts,
   plain decoding would: for a proposal that is one fixed token this is the rejection rule of
   Leviathan et al., exact by construction, independent of k and of the proposals. Rows must have
   no penalties nor unmet min_tokens when counts[r] > 0 (draws after the first see the counts as
-  they were), and room for counts[r] + 1 tokens. A constrained row (mask [R, V/32]) proposes
-  nothing: its mask holds for its first position. Returns (state, SampleOut over [R * (k + 1)]
-  positions, accepted [R]).
+  they were), and room for counts[r] + 1 tokens. A constrained row's proposals are ones its
+  grammar allows, and mask [R * T, V/32] holds its grammar's mask at each position after the
+  proposals before it. Returns (state, SampleOut over [R * (k + 1)] positions, accepted [R]).
   """
   model = nnx.merge(graphdef, params)
   s, cache = state.sampler, state.cache
@@ -191,7 +191,7 @@ def verify_step(graphdef, params, state: DecodeState, active, proposals, counts,
   flat = jax.tree.map(lambda a: jnp.repeat(a[:r], t, axis=0), s.params)
   rows = jnp.repeat(jnp.arange(r), t)
   out = sample(logits, SamplerState(flat, fed.reshape(-1), s.seen_prompt, out_counts), (positions + 1).reshape(-1),
-               want_logprobs, rows=rows, mask=jnp.repeat(mask, t, axis=0), constrained=jnp.repeat(constrained, t))
+               want_logprobs, rows=rows, mask=mask, constrained=jnp.repeat(constrained, t))
   drawn = out.tokens.reshape(r, t)
   match = (drawn[:, :k] == proposals) & (jnp.arange(k)[None, :] < jnp.minimum(counts, n - 1)[:, None])
   accepted = jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1)  # [R]

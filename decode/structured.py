@@ -197,6 +197,28 @@ def masks(matchers: list[tuple[int, llguidance.LLMatcher]], rows: int, vocab_siz
   return mask
 
 
+def masks_along(matchers: list[tuple[int, llguidance.LLMatcher]], proposals: np.ndarray, counts: np.ndarray,
+                t: int, vocab_size: int) -> np.ndarray:
+  """A verify step's masks int32 [rows * t, words]: row r's mask at position j (r * t + j) is its
+  grammar's after the first j of its counts[r] proposals [rows, t - 1]; the matcher walks them and
+  back. The proposals must be valid (`Grammars.valid_prefix`)."""
+  mask = np.full((len(counts) * t, words(vocab_size)), -1, np.int32)
+  for row, m in matchers:
+    c = int(counts[row])
+    llg_numpy.fill_next_token_bitmask(m, mask, row * t)
+    for j in range(c):
+      m.consume_token(int(proposals[row, j]))
+      llg_numpy.fill_next_token_bitmask(m, mask, row * t + j + 1)
+    if c:
+      m.rollback(c)
+  return mask
+
+
+def valid_prefix(matcher: llguidance.LLMatcher, proposals) -> int:
+  """How many of the leading proposals the grammar accepts in turn (vLLM's `validate_tokens`)."""
+  return matcher.validate_tokens([int(p) for p in proposals])
+
+
 def start(template: llguidance.LLMatcher) -> llguidance.LLMatcher:
   """A sample's own matcher, at the constraint's start."""
   return template.deep_copy()

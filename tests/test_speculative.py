@@ -293,8 +293,8 @@ def test_a_real_draft_checkpoint_of_another_architecture():
 def test_embedded_model_self_drafting_int8_is_token_for_token_plain(llm, golden):
   """Gemma 3 270M drafting for itself with int8 weights, on the golden prompts (one 1,177 tokens
   long: rings of 512 wrapped) greedy, all in one batch with two seeded rows and a row held to a
-  JSON schema (it does not propose; its mask holds in verify): every row equals plain decoding
-  token for token, and most proposals are accepted. (The n-gram proposer and rows alone are the
+  JSON schema (the draft's proposals cut to what its grammar allows, a mask per position in
+  verify): every row equals plain decoding token for token, and most proposals are accepted. (The n-gram proposer and rows alone are the
   tiny models' tests; verify is one program whatever proposes.)"""
   prompts = [g["ids"].tolist() for g in golden.values()]
   greedy = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
@@ -310,8 +310,10 @@ def test_embedded_model_self_drafting_int8_is_token_for_token_plain(llm, golden)
   assert model.cfg.weight_quant == "int8"
   eng = Engine(llm.model, llm.tokenizer, max_batch=8, max_len=1536, prefill_chunk=256, platform=llm.platform,
                speculative_config=config, draft_model=model, seed=0)
-  for x, y in zip(run(eng, prompts, params), plain):
+  outs = run(eng, prompts, params)
+  for x, y in zip(outs, plain):
     assert x.token_ids == y.token_ids
+  assert outs[-1].metrics.spec_accepted_tokens > 0  # the constrained row proposed, and was right
   assert json.loads(plain[-1].outputs[0].text)["name"] and plain[-1].outputs[0].finish_reason == "stop"
   m = eng.metrics()
   # Measured 0.685 (the seeded rows draw at temperature 0.7 and accept fewer greedy proposals); a

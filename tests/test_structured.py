@@ -13,7 +13,7 @@ import pytest
 from conftest import DATA, ToyTokenizer, tiny_config, tiny_model
 from jaxgen import SamplingParams
 from jaxgen.decode.engine import Engine
-from jaxgen.decode import sampling, structured
+from jaxgen.decode import compiles, sampling, structured
 from jaxgen.decode.structured import StructuredOutputsParams as SO
 from jaxgen.model.layers import NEG_INF
 
@@ -128,9 +128,22 @@ def test_each_kind_holds_beside_plain_rows_in_one_program_per_row_count(llm):
     assert all(c.finish_reason == "stop" for c in o), [(c.text, c.finish_reason) for c in o]
   for got, want in zip(plain, alone):
     assert got[0].token_ids == want[0].token_ids
-  programs, buckets = llm.engine.runner.programs, llm.engine.config.row_buckets
-  assert programs.sample._cache_size() <= len(buckets), (programs.sample._cache_size(), buckets)
-  assert programs.decode._cache_size() <= len(buckets)
+  # The engine's own sampling program of each row count, then the same with every row held to a
+  # mask that allows token 0 alone (the logits favour token 5): nothing compiles for the mask.
+  runner, v = llm.engine.runner, llm.cfg.vocab_size
+  place = runner.grammar.place
+  logits = np.zeros((max(llm.engine.config.row_buckets), v), np.float32)
+  logits[:, 5] = 100.0  # whatever temperature a slot last held
+  for r in llm.engine.config.row_buckets:
+    def inputs():
+      return place(logits[:r]), np.arange(r, dtype=np.int32), place(np.zeros(r, np.bool_)), np.bool_(False)
+    runner.state, free = runner.programs.sample(runner.state, *inputs(), *runner.grammar.unconstrained(r, r))
+    assert np.asarray(free.tokens).tolist() == [5] * r
+    before = compiles.count()
+    only_zero = np.zeros((r, structured.words(v)), np.int32)
+    only_zero[:, 0] = 1
+    runner.state, out = runner.programs.sample(runner.state, *inputs(), place(only_zero), place(np.ones(r, np.bool_)))
+    assert compiles.count() == before and np.asarray(out.tokens).tolist() == [0] * r
 
 
 @pytest.mark.slow
