@@ -197,12 +197,16 @@ def cmd_chat(a) -> int:
 
 
 def cmd_serve(a) -> int:
+  if a.enable_auto_tool_choice and a.tool_call_parser is None:
+    raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (one of "
+                     f"{', '.join(sorted(serve.TOOL_CALL_PARSERS))})")
   if a.distributed:
     raise ValueError("serve does not run across several processes yet; use --mesh within one process")
   llm = make_llm(a)
   name = a.served_model_name or (os.path.basename(os.path.normpath(a.model)) if a.model else serve.EMBEDDED_NAME)
   app = serve.create_app(llm, model_name=name, max_queue=a.max_queue, request_timeout=a.request_timeout,
-                         api_key=a.api_key or None, warmup=not a.no_warmup)
+                         api_key=a.api_key or None, warmup=not a.no_warmup,
+                         tool_call_parser=a.tool_call_parser if a.enable_auto_tool_choice else None)
 
   def bound(host, port):
     print(f"# jaxgen: serving {name!r} (OpenAI API under /v1) on http://{host}:{port}; /health says 200 once warm",
@@ -267,6 +271,10 @@ def build_parser() -> argparse.ArgumentParser:
   s.add_argument("--max-queue", type=int, default=256, help="requests that may wait for a slot; more get 429")
   s.add_argument("--request-timeout", type=float, default=600.0, help="seconds after which a request is aborted")
   s.add_argument("--no-warmup", action="store_true", help="compile on first use instead of before /health is 200")
+  s.add_argument("--enable-auto-tool-choice", action="store_true",
+                 help="tool_choice=\"auto\": the model decides, its calls parsed by --tool-call-parser")
+  s.add_argument("--tool-call-parser", choices=sorted(serve.TOOL_CALL_PARSERS), default=None,
+                 help="the model's tool-call format (hermes: <tool_call>{\"name\", \"arguments\"}</tool_call>)")
   s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
   s.set_defaults(func=cmd_serve, max_batch=8)
 

@@ -57,14 +57,16 @@ log = logging.getLogger("jaxgen.serve")
 
 
 def create_app(llm: LLM, *, model_name: str = EMBEDDED_NAME, max_queue: int = 256, request_timeout: float = 600.0,
-               api_key: str | None = None, warmup: bool = True, max_body_bytes: int = 16 * 2**20) -> FastAPI:
+               api_key: str | None = None, warmup: bool = True, max_body_bytes: int = 16 * 2**20,
+               tool_call_parser: str | None = None) -> FastAPI:
   """An app serving `llm` (its engine is owned by the app's loop while the app runs).
 
   max_queue: requests that may wait for a slot (beyond them: 429). request_timeout: seconds from
   arrival after which a request is aborted. api_key: when set, /v1 routes want
   `Authorization: Bearer <api_key>` (401 otherwise). warmup: compile everything before /health
   says ready. max_body_bytes: larger request bodies are refused with 413 (checked from
-  Content-Length, and while reading a body sent without one).
+  Content-Length, and while reading a body sent without one). tool_call_parser: the model's
+  tool-call format for tool_choice="auto" (`protocol.TOOL_CALL_PARSERS`; None refuses "auto").
   `llm` needs only `.engine`, `.tokenizer` and `.max_len`.
   """
   if request_timeout <= 0:
@@ -155,7 +157,7 @@ def create_app(llm: LLM, *, model_name: str = EMBEDDED_NAME, max_queue: int = 25
     _check_model(req.model, model_name)
     if fmt is None:
       raise ApiError(400, fmt_error, "messages")
-    constraint = output_constraint(req)
+    constraint = output_constraint(req, tool_call_parser)
     if req.top_logprobs is not None and not req.logprobs:
       raise ApiError(400, "top_logprobs needs logprobs=true", "top_logprobs")
     if req.max_completion_tokens is not None:  # OpenAI's newer name wins, as in vLLM

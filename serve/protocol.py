@@ -121,15 +121,34 @@ _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "cho
 @dataclasses.dataclass(frozen=True)
 class Constraint:
   """A request's output constraint, the field that asked for it, and the tool call it makes (chat):
-  tool "" for none, a function's name (tool_choice naming it), or "*" (tool_choice="required": a
-  JSON list of {"name", "parameters"})."""
+  tool "" for none, a function's name (tool_choice naming it), "*" (tool_choice="required": a
+  JSON list of {"name", "parameters"}), or "auto:<parser>" (the model decides; no constraint, its
+  calls parsed from the text)."""
 
-  params: StructuredOutputsParams
+  params: StructuredOutputsParams | None
   field: str
   tool: str = ""
 
 
-def output_constraint(req: _Sampling) -> Constraint | None:
+def _hermes_calls(text: str) -> tuple[str | None, list[tuple[str, str]]]:
+  """Hermes' format (Qwen 2.5/3, Hermes, many fine-tunes): `<tool_call>{"name": ..., "arguments":
+  {...}}</tool_call>` blocks. (content before the first call or None, [(name, arguments JSON)]);
+  no calls when a block does not parse."""
+  calls = []
+  for block in re.findall(r"<tool_call>\s*(.*?)\s*</tool_call>", text, re.S):
+    try:
+      call = json.loads(block)
+      calls.append((str(call["name"]), json.dumps(call.get("arguments", {}))))
+    except (json.JSONDecodeError, KeyError, TypeError):
+      return text, []
+  content = text.split("<tool_call>", 1)[0].strip() if calls else text
+  return content or None, calls
+
+
+TOOL_CALL_PARSERS = {"hermes": _hermes_calls}
+
+
+def output_constraint(req: _Sampling, tool_call_parser: str | None = None) -> Constraint | None:
   """The request's structured output, from whichever one field asks for it; ApiError(400) naming
   the field when its value is refused or two fields ask."""
   asked = []
@@ -142,7 +161,12 @@ def output_constraint(req: _Sampling) -> Constraint | None:
     asked.append(("structured_outputs", req.structured_outputs, ""))
   asked += [(name, {kind: getattr(req, name)}, "") for name, kind in _GUIDED.items() if getattr(req, name) is not None]
   if isinstance(req, ChatRequest):
-    tool = _tool_constraint(req)
+    tool = _tool_constraint(req, tool_call_parser)
+    if tool is not None and tool[0] is None:  # the model decides: nothing to constrain
+      if asked:
+        raise ApiError(400, f"{asked[0][0]} constrains the output while tool_choice=\"auto\" lets the model "
+                       "call a tool: give one", asked[0][0])
+      return Constraint(None, "tool_choice", tool[1])
     if tool is not None:
       asked.append(("tool_choice", *tool))
   if not asked:
@@ -171,8 +195,9 @@ def _response_format(fmt) -> dict:
                  "response_format")
 
 
-def _tool_constraint(req: ChatRequest) -> tuple[dict, str] | None:
-  """(structured_outputs fields, tool) for a tool call that tool_choice forces; None for none."""
+def _tool_constraint(req: ChatRequest, tool_call_parser: str | None) -> tuple[dict | None, str] | None:
+  """(structured_outputs fields, tool) for a tool call that tool_choice forces, (None,
+  "auto:<parser>") when the model decides; None for none."""
   choice, tools = req.tool_choice, req.tools or []
   if choice == "none" or (choice is None and not tools):
     return None
@@ -186,10 +211,14 @@ def _tool_constraint(req: ChatRequest) -> tuple[dict, str] | None:
     if not isinstance(schema, dict) or schema.get("type", "object") != "object":
       raise ApiError(400, f"tools[{i}] ({name}): function.parameters={_short(schema)} must be a JSON schema of "
                      "type object", "tools")
-  if choice in (None, "auto"):
-    raise ApiError(400, "tool_choice=\"auto\" (the default with tools) is not supported yet: send \"required\", "
-                   "a named function ({\"type\": \"function\", \"function\": {\"name\": ...}}) or \"none\"",
-                   "tool_choice")
+  if choice in (None, "auto"):  # vLLM's words
+    if tool_call_parser is None:
+      raise ApiError(400, "\"auto\" tool choice (the default with tools) requires --enable-auto-tool-choice and "
+                     "--tool-call-parser to be set; or send \"required\", a named function or \"none\"",
+                     "tool_choice")
+    if req.stream:
+      raise ApiError(400, "tool_choice=\"auto\" cannot stream yet; send stream=false", "stream")
+    return None, "auto:" + tool_call_parser
   if choice == "required":
     if req.stream:  # a list of calls would need its JSON parsed as it grows
       raise ApiError(400, "tool_choice=\"required\" cannot stream yet; send stream=false or name the function",
@@ -214,7 +243,11 @@ def tool_calls(text: str, tool: str) -> list[dict] | None:
   # A named function's arguments are the text as written (what a stream sends); a list's calls
   # are cut out of it and written again.
   calls = [(tool, text)] if tool != "*" else [(c["name"], json.dumps(c["parameters"])) for c in value]
-  return [{"id": _call_id(), "type": "function", "function": {"name": name, "arguments": args}} for name, args in calls]
+  return [_call(name, args) for name, args in calls]
+
+
+def _call(name: str, arguments: str) -> dict:
+  return {"id": _call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
 def _call_id() -> str:
@@ -309,10 +342,15 @@ class Responder:
       for c in out.outputs:
         choice = {"index": p * self.n + c.index, "logprobs": self._logprobs(c, 0), "finish_reason": c.finish_reason,
                   "stop_reason": c.stop_reason}
-        calls = tool_calls(c.text, self.tool) if self.tool and c.finish_reason == "stop" else None
-        if calls is not None:  # vLLM's finish reasons: "tool_calls" when the model chose among the tools
-          choice["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
-          choice["finish_reason"] = "tool_calls" if self.tool == "*" else "stop"
+        calls, auto = None, self.tool.startswith("auto:")
+        if auto:  # the model's own calls, parsed from its text
+          content, found = TOOL_CALL_PARSERS[self.tool[5:]](c.text)
+          calls = [_call(name, args) for name, args in found] or None
+        elif self.tool and c.finish_reason == "stop":
+          content, calls = None, tool_calls(c.text, self.tool)
+        if calls is not None:  # vLLM's finish reasons: "stop" for a named function, else "tool_calls"
+          choice["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
+          choice["finish_reason"] = "tool_calls" if auto or self.tool == "*" else "stop"
         elif self.chat:
           choice["message"] = {"role": "assistant", "content": c.text}
         else:

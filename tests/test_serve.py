@@ -230,8 +230,9 @@ SIGN = {"type": "function", "function": {"name": "sign", "parameters": {
 
 
 @pytest.mark.parametrize("fields,param,message", [
-    ({"tools": [PAINT]}, "tool_choice", "tool_choice=\"auto\" (the default with tools) is not supported yet"),
-    ({"tools": [PAINT], "tool_choice": "auto"}, "tool_choice", "is not supported yet"),
+    ({"tools": [PAINT]}, "tool_choice", "\"auto\" tool choice (the default with tools) requires "
+     "--enable-auto-tool-choice and --tool-call-parser to be set"),
+    ({"tools": [PAINT], "tool_choice": "auto"}, "tool_choice", "requires --enable-auto-tool-choice"),
     ({"tool_choice": "required"}, "tools", "tools must be a non-empty list"),
     ({"tools": [PAINT], "tool_choice": {"type": "function", "function": {"name": "draw"}}}, "tool_choice",
      "one of ['paint']"),
@@ -486,3 +487,27 @@ def test_streamed_text_offsets_continue_across_chunks():
     streamed += chunk["choices"][0]["logprobs"]["text_offset"]
   whole = Responder("m", Pieces(), n=1, chat=False).whole([out])["choices"][0]["logprobs"]["text_offset"]
   assert streamed == whole == [0, 2, 4, 7, 8, 9, 12]
+
+
+def test_hermes_tool_calls_are_parsed_from_an_auto_choice():
+  """tool_choice="auto" with `--tool-call-parser hermes`: the model's `<tool_call>` blocks become
+  tool_calls (finish_reason "tool_calls"), the text before them the content; text without a
+  call, or with a block that does not parse, stays content."""
+  said = ('Sure.\n<tool_call>\n{"name": "paint", "arguments": {"colour": "red", "coats": 2}}\n</tool_call>\n'
+          '<tool_call>{"name": "sign", "arguments": {"name": "Al"}}</tool_call>')
+  texts = [said, "No tool needed.", '<tool_call>{"name": "paint", "arguments": </tool_call>']
+  outs = [RequestOutput(str(i), None, [1], [CompletionOutput(0, text, [5], finish_reason="stop")], RequestMetrics(0.0))
+          for i, text in enumerate(texts)]
+  choices = Responder("m", None, n=1, chat=True, tool="auto:hermes").whole(outs)["choices"]
+  message = choices[0]["message"]
+  assert message["content"] == "Sure." and choices[0]["finish_reason"] == "tool_calls"
+  assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]] == [
+      ("paint", {"colour": "red", "coats": 2}), ("sign", {"name": "Al"})]
+  for choice, text in zip(choices[1:], texts[1:]):
+    assert choice["message"] == {"role": "assistant", "content": text} and choice["finish_reason"] == "stop"
+
+
+def test_serve_refuses_auto_tool_choice_without_a_parser(capsys):
+  from jaxgen import cli
+  assert cli.main(["serve", "--enable-auto-tool-choice"]) == 2  # before any model loads
+  assert "--enable-auto-tool-choice needs --tool-call-parser (one of hermes)" in capsys.readouterr().err
