@@ -7,8 +7,8 @@
 One `step()` dispatches this step's work, then reads back the previous step's results while the
 device runs it (dispatch before read): a row that finished in step k still computes in step k+1,
 and that token is discarded. A row held to a grammar draws after that read (its mask needs the
-token before), while the device runs the step's forward pass (`Runner.draw`). Two features read first. Speculation makes its proposals from the
-latest tokens, so a speculative engine reads everything before it schedules. And a decode program
+token before), while the device runs the step's forward pass (`Runner.draw`). Two features read
+first. Speculation makes its proposals from the latest tokens, so a speculative engine reads everything before it schedules. And a decode program
 never run before would hold this step's first tokens back by its build (a trace and a compile, or
 a load from the cache): the prefills' results are read first and the decode waits a step.
 docs/architecture.md follows one request through the rooms.
@@ -182,14 +182,12 @@ class Engine:
 
 
 def check_request(config: EngineConfig, tokenizer, prompt: str | Sequence[int], params: SamplingParams,
-                  grammars=None) -> tuple[str | None, list[int]]:
+                  grammars) -> tuple[str | None, list[int]]:
   """(text or None, prompt token ids) of a request an engine of `config` can serve; a ValueError
   naming what is wrong (the argument, its value, the limit) otherwise. A structured-output
   constraint is compiled by `grammars` (and cached), so a bad one is refused here."""
   params.validate(config.model.vocab_size)
   if getattr(params, "structured_outputs", None) is not None:
-    if grammars is None:
-      raise ValueError("SamplingParams.structured_outputs: this caller compiles no grammars")
     grammars.compile(params.structured_outputs)
   if isinstance(prompt, str):
     text, ids = prompt, tokenizer.encode(prompt, add_special_tokens=True)

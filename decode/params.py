@@ -61,11 +61,10 @@ class SamplingParams:
 
   def __post_init__(self):
     if isinstance(self.structured_outputs, dict):
-      known = {f.name for f in dataclasses.fields(StructuredOutputsParams)}
-      unknown = sorted(set(self.structured_outputs) - known)
-      if unknown:
-        raise ValueError(f"SamplingParams.structured_outputs has unknown fields {unknown}; known: {sorted(known)}")
-      self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+      try:
+        self.structured_outputs = StructuredOutputsParams.from_fields(self.structured_outputs)
+      except ValueError as e:
+        raise ValueError(f"SamplingParams.{e}") from None
     if isinstance(self.stop, str):
       self.stop = [self.stop]
     self.stop = list(self.stop or [])

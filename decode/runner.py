@@ -249,7 +249,7 @@ class Runner:
                                                  np.array([slot], np.int32), row, fresh=start == 0)
       start += n
     self.state, out = self.programs.sample(self.state, logits, np.array([slot], np.int32), self._take, np.bool_(False),
-                                           *self.grammar.draw([], 1))
+                                           *self.grammar.unconstrained(1, 1))
     return out.tokens
 
   def decode_rows(self, rows: int):
@@ -259,7 +259,7 @@ class Runner:
     active[:rows] = True
     self.state, logits, took = self.programs.decode(self.params, self.state, active)
     self.state, out = self.programs.sample(self.state, logits, np.arange(len(active), dtype=np.int32), took,
-                                           np.bool_(False), *self.grammar.draw([], len(active)))
+                                           np.bool_(False), *self.grammar.unconstrained(len(active), len(active)))
     return out.tokens
 
   # -------------------------------------------------------------------------------- compiling
@@ -325,7 +325,7 @@ class Runner:
         rows = shape[0]
         self.state, _ = p.sample(self.state, self._place(np.zeros((rows, self.config.model.vocab_size), np.float32)),
                                  np.arange(rows, dtype=np.int32), self._place(np.zeros(rows, np.bool_)), np.bool_(False),
-                                 *self.grammar.draw([], rows))
+                                 *self.grammar.unconstrained(rows, rows))
       elif name == "verify":
         rows = shape[0]
         self.state, *_ = p.verify(self.params, self.state, np.zeros(rows, np.bool_), np.zeros((rows, k), np.int32),

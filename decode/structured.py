@@ -86,6 +86,15 @@ class StructuredOutputsParams:
       raise ValueError(f"StructuredOutputsParams.{self.kind} is {len(text)} characters; the limit is "
                        f"{MAX_SPEC_CHARS}")
 
+  @classmethod
+  def from_fields(cls, fields: dict) -> "StructuredOutputsParams":
+    """From a dict of its fields (a request body's); unknown fields are a ValueError naming them."""
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(fields) - known)
+    if unknown:
+      raise ValueError(f"structured_outputs has unknown fields {unknown}; known: {sorted(known)}")
+    return cls(**fields)
+
   @property
   def kind(self) -> str:
     return next(k for k in KINDS if getattr(self, k) not in (None, False))
@@ -201,7 +210,7 @@ def masks_along(matchers: list[tuple[int, llguidance.LLMatcher]], proposals: np.
                 t: int, vocab_size: int) -> np.ndarray:
   """A verify step's masks int32 [rows * t, words]: row r's mask at position j (r * t + j) is its
   grammar's after the first j of its counts[r] proposals [rows, t - 1]; the matcher walks them and
-  back. The proposals must be valid (`Grammars.valid_prefix`)."""
+  back. The proposals must be valid (`valid_prefix`)."""
   mask = np.full((len(counts) * t, words(vocab_size)), -1, np.int32)
   for row, m in matchers:
     c = int(counts[row])
@@ -223,8 +232,3 @@ def start(template: llguidance.LLMatcher) -> llguidance.LLMatcher:
   """A sample's own matcher, at the constraint's start."""
   return template.deep_copy()
 
-
-def allowed_ids(mask_row: np.ndarray, vocab_size: int) -> np.ndarray:
-  """The token ids a packed mask row allows (for tests and debugging)."""
-  bits = np.unpackbits(mask_row.view(np.uint8), bitorder="little")[:vocab_size]
-  return np.nonzero(bits)[0]

@@ -176,7 +176,7 @@ def output_constraint(req: _Sampling, tool_call_parser: str | None = None) -> Co
     raise ApiError(400, f"{' and '.join(names)} each constrain the output: give one", names[1])
   field, spec, tool = asked[0]
   try:
-    return Constraint(SamplingParams(structured_outputs=spec).structured_outputs, field, tool)
+    return Constraint(StructuredOutputsParams.from_fields(spec), field, tool)
   except (ValueError, TypeError) as e:
     raise ApiError(400, f"{field}: {e}", field) from None
 
